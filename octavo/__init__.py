@@ -1,0 +1,30 @@
+"""Octavo: compile Hugging Face causal LMs into serving artifacts and run them.
+
+    import octavo
+    path = octavo.compile_model("smollm2-135m", "smollm2.octavo")
+    llm = octavo.LLM(path)
+    print(llm.generate("Hello", octavo.SamplingParams(max_tokens=20))[0].outputs[0].text)
+"""
+
+__version__ = "0.1.0"
+
+from octavo.config import CompileConfig, EngineConfig
+from octavo.llm import LLM
+from octavo.runtime.outputs import CompletionOutput, RequestOutput
+from octavo.runtime.sampling_params import SamplingParams
+
+
+def compile_model(source, output_dir, config=None, **options):
+    """Compile a model source into an artifact directory; see octavo.compiler.compile_model."""
+    from octavo.compiler import compile_model as _compile
+
+    return _compile(source, output_dir, config, **options)
+
+
+def load(path, **engine_options) -> LLM:
+    """Load an artifact (or compile a model source into the cache) and return an LLM."""
+    return LLM(path, **engine_options)
+
+
+__all__ = ["LLM", "CompileConfig", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
+           "compile_model", "load"]

@@ -1,0 +1,101 @@
+"""Run a workload on the Octavo engine or on Hugging Face `generate`, timing every token."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+
+from octavo.bench.results import BenchResult
+from octavo.bench.workloads import Workload
+from octavo.runtime.engine import LLMEngine
+from octavo.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def bench_params(output_len: int) -> SamplingParams:
+    """Greedy, EOS ignored: every request produces exactly `output_len` tokens."""
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) -> tuple[BenchResult, list]:
+    """All requests submitted at once; TTFT from submission, ITL per request. Returns outputs too."""
+    _warm_up(engine, prompts[0])
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, bench_params(workload.output_len), request_id=f"bench-{index}")
+    token_times: dict[str, list[float]] = {}
+    finished = {}
+    preemptions_before = engine.scheduler.num_preemptions
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            new_tokens = len(output.outputs[0].delta_token_ids) if output.outputs else 0
+            token_times.setdefault(output.request_id, []).extend([now] * new_tokens)
+            if output.finished:
+                finished[output.request_id] = output
+    elapsed = time.perf_counter() - start
+    result = _result("octavo", workload, prompts, elapsed, start, token_times)
+    result.extra["preemptions"] = engine.scheduler.num_preemptions - preemptions_before
+    ordered = [finished[f"bench-{index}"].outputs[0].token_ids for index in range(len(prompts))]
+    return result, ordered
+
+
+def run_hf(model: torch.nn.Module, workload: Workload, prompts: list[list[int]], pad_token_id: int | None):
+    """One request at a time through `model.generate`; TTFT from each request's own start."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class TokenClock(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    _hf_generate(model, prompts[0][:16], 4, pad_token_id, StoppingCriteriaList())
+    token_times: dict[str, list[float]] = {}
+    ttfts: list[float] = []
+    outputs = []
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        clock = TokenClock()
+        request_start = time.perf_counter()
+        generated = _hf_generate(model, prompt, workload.output_len, pad_token_id, StoppingCriteriaList([clock]))
+        outputs.append(generated)
+        token_times[f"bench-{index}"] = clock.times
+        ttfts.append(clock.times[0] - request_start)
+    elapsed = time.perf_counter() - start
+    result = _result("hf", workload, prompts, elapsed, start, token_times)
+    result.ttft_s = ttfts
+    return result, outputs
+
+
+def _hf_generate(model, prompt: list[int], num_tokens: int, pad_token_id, stopping) -> list[int]:
+    """Greedy for exactly `num_tokens`, EOS ignored (not masked): an empty eos list never stops."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=[], max_new_tokens=num_tokens, do_sample=False, pad_token_id=pad_token_id or 0)
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                stopping_criteria=stopping)
+    return output[0, len(prompt):].tolist()
+
+
+def _warm_up(engine: LLMEngine, prompt: list[int]) -> None:
+    engine.add_request(prompt[:16], bench_params(4), request_id="bench-warmup")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _result(name: str, workload: Workload, prompts: list[list[int]], elapsed: float, start: float,
+            token_times: dict[str, list[float]]) -> BenchResult:
+    ttft = [times[0] - start for times in token_times.values() if times]
+    itl = [(times[-1] - times[0]) / (len(times) - 1) for times in token_times.values() if len(times) > 1]
+    output_tokens = sum(len(times) for times in token_times.values())
+    return BenchResult(name, workload.name, len(prompts), sum(map(len, prompts)), output_tokens, elapsed,
+                       ttft, itl)

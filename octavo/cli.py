@@ -1,0 +1,68 @@
+"""The `octavo` command line: compile | generate | chat | inspect | bench | demo | serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from octavo import __version__
+from octavo.errors import OctavoError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from octavo.commands import bench_command, compile_command, generate_command, inspect_command
+
+    parser = argparse.ArgumentParser(prog="octavo", description="Compile and serve causal language models.")
+    parser.add_argument("--version", action="version", version=f"octavo {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    compile_command.add_parser(subparsers)
+    generate_command.add_parsers(subparsers)
+    inspect_command.add_parser(subparsers)
+    bench_command.add_parser(subparsers)
+    _add_serve_parser(subparsers)
+    return parser
+
+
+def _add_serve_parser(subparsers) -> None:
+    try:
+        from octavo.serve import command as serve_command
+    except ImportError:
+        return
+    serve_command.add_parser(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_third_party(args.verbose)
+    try:
+        return args.run(args)
+    except OctavoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_third_party(verbosity: int) -> None:
+    if verbosity >= 2:
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Codegen: per-backend kernels for the octavo op set, and the artifact writer."""

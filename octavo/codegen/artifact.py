@@ -1,0 +1,109 @@
+"""The artifact writer: one directory, written atomically (temp dir + rename).
+
+Layout (DESIGN.md section 3): manifest.json, graph.onnx, weights.safetensors,
+tokenizer/ (tokenizer files, chat template, generation_config.json), kernels/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.fx import GraphModule
+
+from octavo.errors import ArtifactError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH = "graph.onnx"
+WEIGHTS = "weights.safetensors"
+TOKENIZER_DIR = "tokenizer"
+KERNELS_DIR = "kernels"
+
+
+def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> Path:
+    """Fail early (before any work) if the output exists and may not be replaced."""
+    path = Path(output_dir).expanduser().resolve()
+    if path.exists() and not overwrite:
+        raise ArtifactError(f"{path} already exists; pass --overwrite to replace it")
+    if path.exists() and not (path / MANIFEST).is_file():
+        raise ArtifactError(f"{path} exists and is not an Octavo artifact; refusing to replace it")
+    if not path.parent.is_dir():
+        raise ArtifactError(f"cannot write {path}: {path.parent} is not a directory")
+    return path
+
+
+def write_artifact(output_dir: str | os.PathLike, *, graph_module: GraphModule, input_specs: dict,
+                   weights: dict[str, torch.Tensor], manifest: dict, tokenizer, generation_config,
+                   kernels: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+    """Write the artifact to a temp dir next to `output_dir`, then rename it into place.
+
+    `manifest` gets format_version and the sha256 of every file added. An
+    interrupted or failed write leaves no partial directory behind.
+    """
+    from octavo.ir.onnx_io import export_graph_to_onnx, save_onnx
+
+    target = check_output_dir(output_dir, overwrite)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        save_onnx(export_graph_to_onnx(graph_module, input_specs, graph_name=manifest["source"]["name"]),
+                  staging / GRAPH)
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, staging / WEIGHTS)
+        _write_tokenizer(staging / TOKENIZER_DIR, tokenizer, generation_config)
+        _write_kernels(staging / KERNELS_DIR, kernels or {})
+        manifest = {"format_version": FORMAT_VERSION, **manifest, "files": hash_files(staging)}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        _replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("wrote artifact %s", target)
+    return target
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` except the manifest, by relative path."""
+    hashes = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            hashes[path.relative_to(root).as_posix()] = sha256_file(path)
+    return hashes
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_tokenizer(directory: Path, tokenizer, generation_config) -> None:
+    directory.mkdir()
+    tokenizer.save_pretrained(directory)
+    generation_config.save_pretrained(directory)
+
+
+def _write_kernels(directory: Path, kernels: dict[str, str]) -> None:
+    directory.mkdir()
+    for name, source in sorted(kernels.items()):
+        (directory / name).write_text(source)
+
+
+def _replace_directory(staging: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    retired = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.rename(target, retired)
+    os.rename(staging, target)
+    shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,45 @@
+"""Lowering: point every octavo op of a graph at the chosen backend's kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule
+
+from octavo.errors import OctavoError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "triton")
+
+
+def backend_kernels(backend: str) -> dict:
+    """The op -> kernel table of `backend` ("torch" or "triton")."""
+    if backend == "torch":
+        from octavo.codegen.torch_backend import KERNELS
+
+        return KERNELS
+    if backend == "triton":
+        from octavo.codegen.triton_backend import KERNELS
+
+        return KERNELS
+    raise OctavoError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def lower_graph(graph_module: GraphModule, backend: str) -> GraphModule:
+    """Replace each octavo op node's target by the backend kernel (in place); ATen ops stay as they are.
+
+    Fails naming the op when the backend lacks a kernel for it.
+    """
+    kernels = backend_kernels(backend)
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "octavo":
+            continue
+        if node.target not in kernels:
+            raise OctavoError(f"backend {backend} has no kernel for {node.target}")
+        node.target = kernels[node.target]
+    graph_module.recompile()
+    return graph_module

@@ -1,0 +1,1 @@
+"""Implementations of the `octavo` subcommands (the parser lives in octavo/cli.py)."""

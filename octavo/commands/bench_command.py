@@ -1,0 +1,59 @@
+"""`octavo bench`: fixed workloads on an artifact, optionally side by side with Hugging Face."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from octavo.bench.runners import run_hf, run_octavo
+from octavo.bench.workloads import get_workload
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
+from octavo.runtime.engine import LLMEngine
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark an artifact on a fixed workload")
+    parser.add_argument("artifact", help="artifact directory")
+    parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix")
+    parser.add_argument("--vs", choices=["hf"], default=None, help="also run Hugging Face generate and compare")
+    parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    add_engine_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = get_workload(args.workload)
+    if args.num_requests:
+        workload = type(workload)(**{**workload.__dict__, "num_requests": args.num_requests})
+    config = engine_config(args)
+    if config.num_threads is None:
+        config.num_threads = 2
+    torch.set_num_threads(config.num_threads)
+    engine = LLMEngine(args.artifact, config)
+    special = set(getattr(engine.tokenizer, "all_special_ids", []))
+    prompts = workload.prompts(engine.vocab_size, special)
+    console.print(f"workload {workload.name}: {workload.description} "
+                  f"({config.num_threads} threads, {engine.device}, backend {engine.backend})")
+    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    console.print(octavo_result.line())
+    if args.vs == "hf":
+        hf_result, hf_tokens = _run_hf_baseline(engine, workload, prompts)
+        same = sum(a == b for a, b in zip(octavo_tokens, hf_tokens, strict=True))
+        console.print(hf_result.line())
+        ratio = octavo_result.output_tokens_per_s / hf_result.output_tokens_per_s
+        console.print(f" ratio {workload.name}: octavo/hf output tok/s = {ratio:.2f}x; "
+                      f"identical greedy outputs {same}/{len(prompts)}")
+    return 0
+
+
+def _run_hf_baseline(engine: LLMEngine, workload, prompts):
+    from octavo.frontend.sources import load_model
+
+    manifest = engine.artifact.manifest
+    source = manifest["source"]
+    origin = source["name"] if source["kind"] == "bundled" else source["path"]
+    error_console.print(f"loading Hugging Face model {origin} ({manifest['dtype']}) for the baseline")
+    model = load_model(origin).load_module(manifest["dtype"])
+    pad = engine.eos_token_ids[0] if engine.eos_token_ids else None
+    return run_hf(model, workload, prompts, pad)

@@ -1,0 +1,53 @@
+"""`octavo compile`: model -> artifact, with dumps and IR printing."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from octavo.commands.common import console, error_console
+from octavo.compiler import compile_model
+from octavo.config import CompileConfig
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("compile", help="compile a model into an artifact directory")
+    parser.add_argument("model", nargs="?", default="smollm2-135m",
+                        help="bundled model name, HF model directory or .gguf file (default: smollm2-135m)")
+    parser.add_argument("-o", "--output", help="artifact directory to write")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dump-dir", help="write the graph after every pass here (also: OCTAVO_DUMP_DIR)")
+    parser.add_argument("--disable-pass", action="append", default=[], metavar="PASS",
+                        help="skip a pass (repeatable, or comma-separated)")
+    parser.add_argument("--print-ir-after", action="append", default=[], metavar="PASS",
+                        help="print the graph after this pass")
+    parser.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass (no artifact)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = CompileConfig(dtype=args.dtype, block_size=args.block_size, dump_dir=args.dump_dir,
+                           disabled_passes=tuple(_split(args.disable_pass)),
+                           print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,
+                           progress=True)
+    start = time.perf_counter()
+    with console.status("loading model") as status:
+        path = compile_model(args.model, args.output, config, overwrite=args.overwrite,
+                             on_print_ir=_print_ir, on_stage=lambda message: status.update(message))
+    elapsed = time.perf_counter() - start
+    if path is None:
+        error_console.print(f"stopped after {args.stop_after} in {elapsed:.1f}s; no artifact written")
+    else:
+        console.print(f"compiled {args.model} -> {path} in {elapsed:.1f}s")
+    return 0
+
+
+def _print_ir(pass_name: str, text: str) -> None:
+    console.print(f"// ----- IR after {pass_name} -----", style="bold")
+    console.out(text, end="")
+
+
+def _split(values: list[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]

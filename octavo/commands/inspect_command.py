@@ -1,0 +1,64 @@
+"""`octavo inspect`: what an artifact holds, read from its manifest."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from octavo.commands.common import console
+from octavo.runtime.loader import read_manifest
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("inspect", help="summarize an artifact: model, signature, ops, passes")
+    parser.add_argument("artifact", help="artifact directory")
+    parser.add_argument("--all-ops", action="store_true", help="list every op, not only the 25 most frequent")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = read_manifest(args.artifact)
+    source = manifest["source"]
+    layout = manifest["kv_layout"]
+    console.print(f"[bold]{args.artifact}[/bold]: Octavo artifact, format {manifest['format_version']}, "
+                  f"octavo {manifest['octavo_version']}")
+    console.print(f"model    {source['name']} ({source['model_type']}, {source['kind']}), "
+                  f"sha256 {source['checksum_sha256'][:16]}")
+    console.print(f"dtype    {manifest['dtype']}, quantization {manifest.get('quantization') or 'none'}, "
+                  f"vocab {manifest['vocab_size']}, max_model_len {manifest['max_model_len']}")
+    console.print(f"kv cache {layout['num_layers']} layers x {layout['num_kv_heads']} kv heads x "
+                  f"{layout['head_dim']} dims, block {layout['block_size']}, {layout['cache_dtype']}")
+    signature = manifest["signature"]
+    inputs = ", ".join(f"{name}: {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
+                       for name, spec in signature["inputs"].items()
+                       if spec["role"] not in ("key_cache", "value_cache"))
+    console.print(f"inputs   {inputs} + {2 * layout['num_layers']} cache pools")
+    console.print(f"weights  {signature['num_weights']} tensors, {signature['weight_bytes'] / 2**20:.1f} MiB")
+    console.print(f"graph    {manifest['node_count']} nodes")
+    console.print(_ops_table(manifest["op_histogram"], args.all_ops))
+    console.print(_passes_table(manifest["passes"]))
+    return 0
+
+
+def _ops_table(histogram: dict[str, int], show_all: bool) -> Table:
+    table = Table(title="op histogram", title_justify="left")
+    table.add_column("op")
+    table.add_column("count", justify="right")
+    items = list(histogram.items())
+    for name, count in items if show_all else items[:25]:
+        table.add_row(name, str(count))
+    if not show_all and len(items) > 25:
+        table.add_row(f"... {len(items) - 25} more (--all-ops)", "")
+    return table
+
+
+def _passes_table(passes: list[dict]) -> Table:
+    table = Table(title="passes", title_justify="left")
+    for column in ("#", "pass", "nodes", "time", "stats"):
+        table.add_column(column)
+    for record in passes:
+        stats = ", ".join(f"{key}={value}" for key, value in record["stats"].items())
+        table.add_row(str(record.get("index", "")), record["name"],
+                      f"{record['nodes_before']} -> {record['nodes_after']}", f"{record['time_s']:.2f}s", stats)
+    return table

@@ -1,0 +1,62 @@
+"""The compile cache: artifacts under ~/.cache/octavo keyed by everything that decides their output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from octavo import __version__
+from octavo.codegen.artifact import MANIFEST
+from octavo.config import CompileConfig
+from octavo.frontend.sources import ModelSource, load_model
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "OCTAVO_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """OCTAVO_CACHE_DIR, else $XDG_CACHE_HOME/octavo, else ~/.cache/octavo."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "octavo"
+
+
+def cache_key(model_source: ModelSource, config: CompileConfig) -> str:
+    """sha256 over the model checksum, the output-deciding compile options and the software versions."""
+    import transformers
+
+    payload = {
+        "model": model_source.checksum,
+        "options": config.output_key(),
+        "octavo": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_artifact(source: str | os.PathLike, config: CompileConfig | None = None,
+                    on_stage=None) -> Path:
+    """The artifact for (source, config), compiled into the cache unless an identical one is there."""
+    from octavo.compiler import compile_model
+
+    config = config or CompileConfig()
+    model_source = load_model(source)
+    key = cache_key(model_source, config)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model_source.name.removesuffix(".gguf"))
+    path = cache_root() / f"{name}-{config.dtype}-{key}"
+    if (path / MANIFEST).is_file():
+        logger.info("using cached artifact %s", path)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling %s into the cache at %s", model_source.name, path)
+    compile_model(model_source, path, config, overwrite=path.exists(), on_stage=on_stage)
+    return path

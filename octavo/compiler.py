@@ -1,0 +1,143 @@
+"""compile_model: model source -> traced graph -> passes -> artifact on disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from octavo import __version__
+from octavo.codegen.artifact import check_output_dir, write_artifact
+from octavo.config import CompileConfig
+from octavo.errors import OctavoError
+from octavo.frontend import load_model, trace
+from octavo.frontend.sources import ModelSource
+from octavo.ir.graph import format_value, op_histogram
+from octavo.passes import PassContext, run_pipeline
+
+logger = logging.getLogger(__name__)
+
+DUMP_DIR_ENV = "OCTAVO_DUMP_DIR"
+
+
+def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.PathLike | None,
+                  config: CompileConfig | None = None, *, overwrite: bool = False,
+                  on_print_ir: Callable[[str, str], None] | None = None,
+                  on_stage: Callable[[str], None] | None = None) -> Path | None:
+    """Compile `source` (bundled name, HF directory, .gguf file) into an artifact at `output_dir`.
+
+    Returns the artifact path, or None when `config.stop_after` stopped the
+    pipeline early (then only dumps / printed IR are produced). The dump
+    directory comes from `config.dump_dir` or the OCTAVO_DUMP_DIR variable.
+    """
+    config = config or CompileConfig()
+    if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
+        config.dump_dir = os.environ[DUMP_DIR_ENV]
+    if output_dir is None and config.stop_after is None:
+        raise OctavoError("an output directory is required (-o DIR)")
+    if output_dir is not None:
+        check_output_dir(output_dir, overwrite)
+    stage = on_stage or (lambda message: logger.info(message))
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    model_source = source if isinstance(source, ModelSource) else load_model(source)
+    timings["load_source_s"] = time.perf_counter() - start
+    stage(f"tracing {model_source.name} ({model_source.config.model_type}, {config.dtype})")
+    start = time.perf_counter()
+    traced = trace(model_source, config.dtype)
+    timings["trace_s"] = time.perf_counter() - start
+    ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
+                      architecture=model_source.architecture, fake_mode=traced.fake_mode,
+                      symbols={"T": traced.num_tokens})
+    stage("running passes")
+    start = time.perf_counter()
+    graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
+    timings["passes_s"] = time.perf_counter() - start
+    if config.stop_after is not None or output_dir is None:
+        logger.info("stopped after pass %s: no artifact written", config.stop_after)
+        return None
+    stage(f"writing artifact {output_dir}")
+    start = time.perf_counter()
+    manifest = build_manifest(model_source, config, ctx, graph_module, timings)
+    path = write_artifact(output_dir, graph_module=graph_module, input_specs=input_specs(graph_module, ctx),
+                          weights=ctx.weights, manifest=manifest, tokenizer=model_source.tokenizer,
+                          generation_config=model_source.generation_config(), overwrite=overwrite)
+    logger.info("artifact written in %.1fs", time.perf_counter() - start)
+    return path
+
+
+def input_specs(graph_module, ctx: PassContext) -> dict[str, tuple[torch.dtype, list]]:
+    """dtype and shape (ints, or symbol names like "T") of every graph input."""
+    names = ctx.symbol_names()
+    specs = {}
+    for node in graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta["val"]
+        dims = [int(dim) if isinstance(dim, int) or str(dim).isdigit() else _symbolic(dim, names)
+                for dim in value.shape]
+        specs[node.name] = (value.dtype, dims)
+    return specs
+
+
+def _symbolic(dim, names: dict[str, str]) -> str:
+    text = format_value(dim, names)
+    return text.removeprefix("sym ")
+
+
+def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassContext, graph_module,
+                   timings: dict[str, float]) -> dict:
+    """Everything that decides or describes the artifact's output (see DESIGN.md, Artifact)."""
+    model_config = model_source.config
+    generation = model_source.generation_config()
+    output = graph_module.graph.output_node().args[0]
+    specs = input_specs(graph_module, ctx)
+    runtime_inputs = {name: {"dtype": str(dtype).removeprefix("torch."), "shape": shape,
+                             "role": ctx.runtime_inputs.get(name, {}).get("role", "tokens")}
+                      for name, (dtype, shape) in specs.items() if name not in ctx.weights}
+    return {
+        "octavo_version": __version__,
+        "versions": {"torch": torch.__version__, "transformers": _transformers_version(),
+                     "python": platform.python_version()},
+        "created_unix": int(time.time()),
+        "source": {"name": model_source.name, "kind": model_source.kind, "model_type": model_config.model_type,
+                   "checksum_sha256": model_source.checksum, "path": str(model_source.path),
+                   "config": model_config.to_dict()},
+        "compile_options": config.output_key(),
+        "dtype": config.dtype,
+        "quantization": None,
+        "vocab_size": int(model_config.vocab_size),
+        "max_model_len": int(getattr(model_config, "max_position_embeddings", 2048)),
+        "eos_token_ids": _eos_token_ids(generation, model_source.tokenizer),
+        "kv_layout": ctx.kv_layout,
+        "signature": {
+            "inputs": runtime_inputs,
+            "outputs": {"logits": {"dtype": str(output.meta["val"].dtype).removeprefix("torch."),
+                                   "shape": ["N", int(output.meta["val"].shape[-1])]}},
+            "num_weights": len(ctx.weights),
+            "weight_bytes": sum(t.numel() * t.element_size() for t in ctx.weights.values()),
+        },
+        "passes": ctx.history,
+        "op_histogram": op_histogram(graph_module),
+        "node_count": len(graph_module.graph.nodes),
+        "compile_timings": {key: round(value, 3) for key, value in timings.items()},
+    }
+
+
+def _eos_token_ids(generation_config, tokenizer) -> list[int]:
+    ids = generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,103 @@
+"""Compile and engine configuration: the one place where defaults live."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from octavo.errors import OctavoError
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class CompileConfig:
+    """Options of `octavo compile`.
+
+    Only `dtype`, `block_size` and `disabled_passes` decide what the artifact
+    computes; they (with the model checksum and the versions) form the compile
+    cache key. Dump and print options only change what is written for reading.
+    """
+
+    dtype: str = "float32"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    disabled_passes: tuple[str, ...] = ()
+    dump_dir: str | None = None
+    stop_after: str | None = None
+    print_ir_after: tuple[str, ...] = ()
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise OctavoError(f"unsupported dtype {self.dtype!r}: choose one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise OctavoError(f"block_size must be a positive power of two, got {self.block_size}")
+        self.disabled_passes = tuple(self.disabled_passes)
+        self.print_ir_after = tuple(self.print_ir_after)
+
+    def output_key(self) -> dict:
+        """The options that decide the artifact's contents (for the manifest and the cache key)."""
+        return {
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "disabled_passes": sorted(self.disabled_passes),
+            "stop_after": self.stop_after,
+        }
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(value: int | str | None) -> int | None:
+    """Parse "2GiB", "512MB", "1e9" or an int into a byte count."""
+    if value is None or isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _MEMORY_UNITS:
+        raise OctavoError(f"cannot parse memory size {value!r}: use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """Options of the runtime engine (LLM(...), octavo generate/serve/bench)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int | str = "1GiB"
+    device: str = "auto"
+    backend: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self.swap_space = parse_memory_size(self.swap_space)
+        if self.max_num_seqs < 1:
+            raise OctavoError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise OctavoError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise OctavoError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise OctavoError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise OctavoError(f"backend must be auto, torch or triton, got {self.backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise OctavoError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)

@@ -1,0 +1,62 @@
+"""The architecture table: what each supported model_type needs from the compiler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Traits of a decoder-only architecture that the passes and runtime rely on.
+
+    norm: the normalization kind ("rms_norm"); activation: the MLP activation
+    ("silu" for gated SiLU); rope: the rotary kind ("rotate_half");
+    qkv_bias: q/k/v projections carry a bias; qk_norm: per-head RMSNorm on q
+    and k before RoPE; sliding_window: the model may use sliding-window
+    attention on some or all layers (read per layer by `sliding_windows`).
+    """
+
+    model_type: str
+    norm: str = "rms_norm"
+    activation: str = "silu"
+    rope: str = "rotate_half"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama"),
+    "mistral": Architecture("mistral", sliding_window=True),
+    "qwen2": Architecture("qwen2", qkv_bias=True, sliding_window=True),
+    "qwen3": Architecture("qwen3", qk_norm=True, sliding_window=True),
+}
+
+
+def architecture_for(config) -> Architecture:
+    """Look up a Hugging Face config's model_type, or fail naming the supported ones."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"unsupported model_type {model_type!r}: Octavo supports {supported}")
+    return ARCHITECTURES[model_type]
+
+
+def sliding_windows(config) -> list[int]:
+    """The attention window of each layer, -1 for full attention.
+
+    Transformers records per-layer attention kinds in `layer_types`
+    ("sliding_attention" / "full_attention"); configs without it (mistral)
+    apply `sliding_window` to every layer when it is set.
+    """
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not architecture_for(config).sliding_window or not window:
+        return [-1] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [int(window)] * num_layers
+    return [int(window) if kind == "sliding_attention" else -1 for kind in layer_types]

@@ -1,0 +1,89 @@
+"""octavo::paged_attention: attention over a paged KV cache for a flattened varlen batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("octavo::paged_attention", mutates_args=("key_cache", "value_cache"))
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    sliding_window: int = -1,
+) -> Tensor:
+    """Causal attention of a flattened batch of query tokens over a paged KV cache.
+
+    Shapes: ``query`` [T, Hq, D]; ``key`` and ``value`` [T, Hkv, D] (Hq a multiple
+    of Hkv: query head h reads kv head ``h // (Hq // Hkv)``); ``key_cache`` and
+    ``value_cache`` [num_blocks, block_size, Hkv, D]; ``slot_mapping`` int64 [T];
+    ``block_tables`` int32 [B, max_blocks]; ``seq_lens`` int32 [B];
+    ``query_start_loc`` int32 [B + 1]. Returns [T, Hq, D] in ``query``'s dtype.
+
+    1. In place: for every token t with ``slot_mapping[t] >= 0``, key[t] and
+       value[t] are written to cache slot ``slot_mapping[t]``, i.e. block
+       ``slot // block_size``, offset ``slot % block_size``. Negative slots
+       (padding tokens) are not written.
+    2. Sequence b owns query tokens ``query_start_loc[b] : query_start_loc[b+1]``
+       (q_len_b of them); after step 1 its context is ``seq_lens[b]`` tokens,
+       held in blocks ``block_tables[b, 0 : ceil(seq_lens[b] / block_size)]``;
+       its query tokens are the last q_len_b of them, so query token i of the
+       sequence sits at position ``p = seq_lens[b] - q_len_b + i``.
+    3. The query at position p attends to context positions j with ``j <= p``
+       and, when ``sliding_window > 0``, ``j > p - sliding_window``:
+       ``softmax(scale * q . k_j) @ v_j``, computed in float32.
+    """
+    _write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    output = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        if end == start:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        keys = key_cache[blocks].flatten(0, 1)[:seq_len]
+        values = value_cache[blocks].flatten(0, 1)[:seq_len]
+        output[start:end] = _attend(query[start:end], keys, values, seq_len, scale, sliding_window)
+    return output
+
+
+@paged_attention.register_fake
+def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+      scale, sliding_window=-1):
+    return query.new_empty(query.shape[:-1] + value.shape[-1:])
+
+
+def _write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                    slot_mapping: Tensor) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid].to(key_cache.dtype)
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid].to(value_cache.dtype)
+
+
+def _attend(query: Tensor, keys: Tensor, values: Tensor, seq_len: int, scale: float,
+            sliding_window: int) -> Tensor:
+    """Dense causal attention of the last len(query) positions of one sequence (the definition)."""
+    q_len, num_heads, _ = query.shape
+    group = num_heads // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    key_pos = torch.arange(seq_len).unsqueeze(0)
+    allowed = key_pos <= query_pos
+    if sliding_window > 0:
+        allowed &= key_pos > query_pos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)

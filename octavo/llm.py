@@ -1,0 +1,135 @@
+"""LLM: the offline Python API (vLLM-style): load or compile, then generate, stream or chat."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from octavo.codegen.artifact import MANIFEST
+from octavo.config import CompileConfig, EngineConfig
+from octavo.errors import OctavoError
+from octavo.runtime.engine import LLMEngine
+from octavo.runtime.outputs import RequestOutput
+from octavo.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Generate from a compiled artifact.
+
+    `model` is an artifact directory, or a model source (bundled name, HF
+    directory, .gguf file) that is compiled once into the compile cache with
+    `dtype`. Engine options (max_num_seqs, kv_cache_memory, ...) are keyword
+    arguments, as in EngineConfig.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype: str = "float32", **engine_options):
+        path = Path(model).expanduser()
+        if not (path / MANIFEST).is_file():
+            from octavo.compile_cache import cached_artifact
+
+            path = cached_artifact(model, CompileConfig(dtype=dtype))
+        self.artifact_path = path
+        self.engine = LLMEngine(path, EngineConfig.from_kwargs(**engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order.
+
+        A prompt is text, a list of token ids, or {"prompt_token_ids": [...]}.
+        A request that is invalid (too long, say) does not stop the others:
+        its output has `error` set and no completions.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"generate-{next(self._ids)}"
+            order.append(request_id)
+            rejected = self._add(request_id, prompt, params)
+            if rejected is not None:
+                outputs[request_id] = rejected
+        with tqdm(total=len(order), disable=not use_tqdm, desc="generating", unit="req") as progress:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        outputs[output.request_id] = output
+                        progress.update(1)
+        return [outputs[request_id] for request_id in order]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; read `delta_text` for new text."""
+        request_id = f"stream-{next(self._ids)}"
+        rejected = self._add(request_id, prompt, sampling_params or SamplingParams())
+        if rejected is not None:
+            yield rejected
+            return
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **generate_options) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the artifact's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, **generate_options)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered by the chat template, with the assistant turn opened."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OctavoError("this artifact's tokenizer has no chat template")
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutput | None:
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id)
+        except OctavoError as error:
+            logger.warning("request %s rejected: %s", request_id, error)
+            return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
+                                 [] if isinstance(prompt, str) else list(prompt), [], True, error=str(error))
+        return None
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(item, int) for item in prompts):
+        return [prompts]
+    return prompts
+
+
+def _broadcast_params(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise OctavoError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,58 @@
+"""The pass registry and the named pipelines (the pipeline is data)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch.fx import GraphModule
+
+from octavo.errors import PassError
+
+PassFunction = Callable[[GraphModule, "object"], GraphModule]
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    """A registered pass. `required` passes cannot be disabled (the runtime depends on them)."""
+
+    name: str
+    description: str
+    function: PassFunction
+    required: bool = False
+
+
+PASSES: dict[str, PassInfo] = {}
+
+PIPELINES: dict[str, list[str]] = {
+    "default": ["canonicalize", "match_attention", "prune_logits"],
+}
+
+
+def register_pass(name: str, description: str, required: bool = False) -> Callable[[PassFunction], PassFunction]:
+    """Decorator registering `(gm, ctx) -> gm` under `name` with a one-line description."""
+
+    def decorate(function: PassFunction) -> PassFunction:
+        if name in PASSES:
+            raise ValueError(f"pass {name} registered twice")
+        PASSES[name] = PassInfo(name, description, function, required)
+        return function
+
+    return decorate
+
+
+def resolve_pipeline(pipeline: str | list[str], disabled: tuple[str, ...] = ()) -> list[PassInfo]:
+    """The passes of a named (or explicit) pipeline minus the disabled ones, validated."""
+    _ensure_passes_imported()
+    names = PIPELINES[pipeline] if isinstance(pipeline, str) else list(pipeline)
+    for name in [*names, *disabled]:
+        if name not in PASSES:
+            raise PassError(f"unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}")
+    for name in disabled:
+        if PASSES[name].required:
+            raise PassError(f"pass {name} cannot be disabled: {PASSES[name].description}")
+    return [PASSES[name] for name in names if name not in disabled]
+
+
+def _ensure_passes_imported() -> None:
+    import octavo.passes.all_passes  # noqa: F401  (each module registers its pass)

@@ -1,0 +1,1 @@
+"""Runtime: artifact loading, execution, scheduling, sampling and detokenization."""

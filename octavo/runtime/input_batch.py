@@ -1,0 +1,79 @@
+"""Step inputs: the flat token batch and attention metadata, built with vectorized tensor code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from octavo.runtime.scheduler import ScheduledSequence
+
+
+@dataclass
+class StepInputs:
+    """The runtime inputs of one graph call (names match the graph's placeholders)."""
+
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    slot_mapping: torch.Tensor     # int64 [T]
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    seq_lens: torch.Tensor         # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    logits_indices: torch.Tensor   # int64 [N]
+    sampled_rows: list[int]        # which scheduled entries (by index) own the N logits rows
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in
+                ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                 "logits_indices")}
+
+    def to(self, device: torch.device) -> StepInputs:
+        moved = {name: tensor.to(device, non_blocking=True) for name, tensor in self.as_dict().items()}
+        return StepInputs(**moved, sampled_rows=self.sampled_rows)
+
+
+def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
+    """Concatenate every scheduled sequence's new tokens into one flat batch.
+
+    Sequence b contributes tokens [computed_b, computed_b + q_b) of its
+    token list. Positions, slots and the sampled rows are derived with
+    tensor arithmetic over all T tokens at once.
+    """
+    query_lens = torch.tensor([item.num_new_tokens for item in scheduled], dtype=torch.int64)
+    starts = torch.tensor([item.seq.num_computed_tokens for item in scheduled], dtype=torch.int64)
+    query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
+    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    owner = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens)
+    positions = starts[owner] + torch.arange(num_tokens) - query_start_loc[owner]
+    input_ids = torch.tensor(_new_token_ids(scheduled), dtype=torch.int64)
+    block_tables = _padded_block_tables(scheduled)
+    slot_mapping = block_tables[owner, positions // block_size].long() * block_size + positions % block_size
+    sampled_rows = [index for index, item in enumerate(scheduled) if item.samples]
+    logits_indices = query_start_loc[1:][sampled_rows] - 1
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=(starts + query_lens).to(torch.int32),
+        query_start_loc=query_start_loc.to(torch.int32),
+        logits_indices=logits_indices,
+        sampled_rows=sampled_rows,
+    )
+
+
+def _new_token_ids(scheduled: list[ScheduledSequence]) -> list[int]:
+    token_ids: list[int] = []
+    for item in scheduled:
+        start = item.seq.num_computed_tokens
+        token_ids += item.seq.token_ids[start:start + item.num_new_tokens]
+    return token_ids
+
+
+def _padded_block_tables(scheduled: list[ScheduledSequence]) -> torch.Tensor:
+    width = max(len(item.seq.block_table) for item in scheduled)
+    table = torch.zeros(len(scheduled), max(width, 1), dtype=torch.int32)
+    for row, item in enumerate(scheduled):
+        table[row, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
+    return table

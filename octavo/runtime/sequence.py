@@ -1,0 +1,106 @@
+"""Sequences and requests: the runtime's per-request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.runtime.detokenizer import IncrementalDetokenizer
+from octavo.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation: its tokens, its KV blocks and how much of it is in the cache.
+
+    `token_ids` is prompt + output. The first `num_computed_tokens` of them
+    have their K/V in the blocks of `block_table`; a step schedules some of
+    the rest (a prefill chunk, or the one newest token when decoding).
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+
+    @property
+    def seq_id(self) -> str:
+        return f"{self.request_id}#{self.index}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache state (after preemption by recompute): everything is recomputed."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,112 @@
+"""Shared fixtures: the real tokenizer, tiny random-weight models on disk, compiled artifacts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    """The bundled SmolLM2 model source (config + real tokenizer; weights load on demand)."""
+    from octavo.frontend import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, smollm2_source) -> Path:
+    """The bundled model's real tokenizer saved as HF files, for tiny models to ship with."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    smollm2_source.tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir):
+    """Factory: a tiny random-weight HF model directory of a given architecture (cached per session)."""
+    from tests.tiny_models import make_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def build(model_type: str) -> Path:
+        if model_type not in made:
+            directory = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            model = make_tiny_model(model_type)
+            model.save_pretrained(directory)
+            for file in tokenizer_dir.iterdir():
+                shutil.copy(file, directory / file.name)
+            made[model_type] = directory
+        return made[model_type]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, tiny_model_dir):
+    """Factory: a compiled fp32 artifact of a tiny model (cached per session)."""
+    from octavo.compiler import compile_model
+
+    made: dict[str, Path] = {}
+
+    def build(model_type: str) -> Path:
+        if model_type not in made:
+            output = tmp_path_factory.mktemp(f"artifact-{model_type}") / "artifact"
+            made[model_type] = compile_model(tiny_model_dir(model_type), output)
+        return made[model_type]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_artifact(tmp_path_factory, smollm2_source) -> Path:
+    from octavo.compiler import compile_model
+
+    return compile_model(smollm2_source, tmp_path_factory.mktemp("smollm2-fp32") / "artifact")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_artifact(tmp_path_factory, smollm2_source) -> Path:
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    return compile_model(smollm2_source, tmp_path_factory.mktemp("smollm2-bf16") / "artifact",
+                         CompileConfig(dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_fp32(smollm2_source):
+    """Hugging Face's own SmolLM2 in float32 (eager attention), the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_bf16(smollm2_source):
+    """Hugging Face's SmolLM2 as a user gets it in bfloat16: from_pretrained(dtype=bfloat16), default attention.
+
+    (Casting the float32 model instead gives other weights: transformers dequantizes GGUF differently per dtype.)
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file,
+                                                 dtype=torch.bfloat16)
+    return model.eval()
+
+
+def assert_pool_full(engine) -> None:
+    """No KV block leaked: every block is back in the free list and nothing references it."""
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, (
+        f"{manager.num_blocks - manager.num_free_blocks} KV blocks leaked")
+    assert not engine.has_unfinished_requests()

