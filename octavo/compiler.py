@@ -13,6 +13,7 @@ import torch
 
 from octavo import __version__
 from octavo.codegen.artifact import check_output_dir, write_artifact
+from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
 from octavo.frontend import load_model, trace
@@ -64,9 +65,14 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     stage(f"writing artifact {output_dir}")
     start = time.perf_counter()
     manifest = build_manifest(model_source, config, ctx, graph_module, timings)
+    kernels = kernel_sources(graph_module)
+    manifest["kernels"] = source_hashes(kernels)
+    if config.dump_dir:
+        write_kernel_sources(Path(config.dump_dir) / "kernels", kernels)
     path = write_artifact(output_dir, graph_module=graph_module, input_specs=input_specs(graph_module, ctx),
                           weights=ctx.weights, manifest=manifest, tokenizer=model_source.tokenizer,
-                          generation_config=model_source.generation_config(), overwrite=overwrite)
+                          generation_config=model_source.generation_config(), kernels=kernels,
+                          overwrite=overwrite)
     logger.info("artifact written in %.1fs", time.perf_counter() - start)
     return path
 

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig, EngineConfig
-from octavo.errors import OctavoError
+from octavo.errors import OctavoError, RequestError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
@@ -104,15 +104,25 @@ class LLM:
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutput | None:
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         try:
+            if isinstance(prompt, dict):
+                prompt = _prompt_of(prompt)
             self.engine.add_request(prompt, params, request_id=request_id)
         except OctavoError as error:
-            logger.warning("request %s rejected: %s", request_id, error)
+            # Reported to the caller in the output's `error`; a warning here would say it twice.
+            logger.info("request %s rejected: %s", request_id, error)
             return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
-                                 [] if isinstance(prompt, str) else list(prompt), [], True, error=str(error))
+                                 list(prompt) if isinstance(prompt, list | tuple) else [], [], True,
+                                 error=str(error))
         return None
+
+
+def _prompt_of(prompt: dict) -> str | list[int]:
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise RequestError(f"a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)}")
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,11 +69,29 @@ def tiny_artifact(tmp_path_factory, tiny_model_dir):
     return build
 
 
-@pytest.fixture(scope="session")
-def smollm2_fp32_artifact(tmp_path_factory, smollm2_source) -> Path:
-    from octavo.compiler import compile_model
+@dataclass
+class CompileRun:
+    artifact: Path
+    dump_dir: Path
+    result: subprocess.CompletedProcess
+    seconds: float
 
-    return compile_model(smollm2_source, tmp_path_factory.mktemp("smollm2-fp32") / "artifact")
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_compile(tmp_path_factory) -> CompileRun:
+    """`octavo compile smollm2-135m -o A --dump-dir D`, run once as a user would run it."""
+    root = tmp_path_factory.mktemp("smollm2-fp32")
+    artifact, dump_dir = root / "artifact", root / "dumps"
+    start = time.perf_counter()
+    result = run_cli("compile", "smollm2-135m", "-o", str(artifact), "--dump-dir", str(dump_dir))
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    return CompileRun(artifact, dump_dir, result, seconds)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_artifact(smollm2_fp32_compile) -> Path:
+    return smollm2_fp32_compile.artifact
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +124,12 @@ def smollm2_hf_bf16(smollm2_source):
     model = AutoModelForCausalLM.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file,
                                                  dtype=torch.bfloat16)
     return model.eval()
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the `octavo` command line in a subprocess (the installed entry point's module)."""
+    return subprocess.run([sys.executable, "-m", "octavo.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def assert_pool_full(engine) -> None:

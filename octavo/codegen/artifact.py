@@ -62,6 +62,7 @@ def write_artifact(output_dir: str | os.PathLike, *, graph_module: GraphModule, 
         _write_kernels(staging / KERNELS_DIR, kernels or {})
         manifest = {"format_version": FORMAT_VERSION, **manifest, "files": hash_files(staging)}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        _make_readable(staging)
         _replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -99,11 +100,23 @@ def _write_kernels(directory: Path, kernels: dict[str, str]) -> None:
         (directory / name).write_text(source)
 
 
+def _make_readable(root: Path) -> None:
+    """mkdtemp creates the staging dir private; give the artifact the usual umask-derived modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _replace_directory(staging: Path, target: Path) -> None:
     if not target.exists():
         os.rename(staging, target)
         return
     retired = target.with_name(f".{target.name}.old-{os.getpid()}")
     os.rename(target, retired)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(retired, target)  # put the old artifact back: a failed overwrite changes nothing
+        raise
     shutil.rmtree(retired, ignore_errors=True)

@@ -30,7 +30,9 @@ def backend_kernels(backend: str) -> dict:
 def lower_graph(graph_module: GraphModule, backend: str) -> GraphModule:
     """Replace each octavo op node's target by the backend kernel (in place); ATen ops stay as they are.
 
-    Fails naming the op when the backend lacks a kernel for it.
+    Fails naming the op when the backend lacks a kernel for it. A kernel with
+    a `prepare(node)` attribute gets it called once per node here, at load
+    (the Triton backend generates and imports fused_pointwise kernels then).
     """
     kernels = backend_kernels(backend)
     for node in graph_module.graph.nodes:
@@ -40,6 +42,9 @@ def lower_graph(graph_module: GraphModule, backend: str) -> GraphModule:
             continue
         if node.target not in kernels:
             raise OctavoError(f"backend {backend} has no kernel for {node.target}")
-        node.target = kernels[node.target]
+        kernel = kernels[node.target]
+        if hasattr(kernel, "prepare"):
+            kernel.prepare(node)
+        node.target = kernel
     graph_module.recompile()
     return graph_module

@@ -9,15 +9,21 @@ import torch
 from octavo.bench.runners import run_hf, run_octavo
 from octavo.bench.workloads import get_workload
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
+from octavo.errors import OctavoError
 from octavo.runtime.engine import LLMEngine
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark an artifact on a fixed workload")
-    parser.add_argument("artifact", help="artifact directory")
+    parser.add_argument("artifact", nargs="?", help="artifact directory (with --server: optional, for its tokenizer)")
     parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix")
     parser.add_argument("--vs", choices=["hf"], default=None, help="also run Hugging Face generate and compare")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--server", metavar="URL", help="benchmark a running `octavo serve` (or any OpenAI-compatible "
+                        "server) online: streaming requests with Poisson arrivals")
+    parser.add_argument("--rate", type=float, default=float("inf"), help="with --server: requests/s (default inf)")
+    parser.add_argument("--model", help="with --server: the model name to send (default: the server's first)")
+    parser.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
     add_engine_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -26,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
     if args.num_requests:
         workload = type(workload)(**{**workload.__dict__, "num_requests": args.num_requests})
+    if args.server:
+        return _run_online(args, workload)
+    if args.artifact is None:
+        raise OctavoError("give an ARTIFACT directory, or --server URL to benchmark a running server")
     config = engine_config(args)
     if config.num_threads is None:
         config.num_threads = 2
@@ -44,6 +54,22 @@ def run(args: argparse.Namespace) -> int:
         ratio = octavo_result.output_tokens_per_s / hf_result.output_tokens_per_s
         console.print(f" ratio {workload.name}: octavo/hf output tok/s = {ratio:.2f}x; "
                       f"identical greedy outputs {same}/{len(prompts)}")
+    return 0
+
+
+def _run_online(args: argparse.Namespace, workload) -> int:
+    import asyncio
+
+    from octavo.bench.online import online_prompts, run_online, served_model
+
+    card = served_model(args.server, args.api_key)
+    prompts = online_prompts(workload, card, args.artifact)
+    model = args.model or card["id"]
+    console.print(f"workload {workload.name}: {workload.description}; online against {args.server} ({model}), "
+                  f"Poisson arrivals at {args.rate:g} req/s")
+    result = asyncio.run(run_online(args.server, model, prompts, workload.output_len, args.rate, workload.name,
+                                    args.api_key))
+    console.print(result.line())
     return 0
 
 

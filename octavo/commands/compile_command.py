@@ -6,7 +6,6 @@ import argparse
 import time
 
 from octavo.commands.common import console, error_console
-from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 
 
@@ -28,6 +27,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the compiler pulls in torch._dynamo, which every other command would pay for at startup.
+    from octavo.compiler import compile_model
+
     config = CompileConfig(dtype=args.dtype, block_size=args.block_size, dump_dir=args.dump_dir,
                            disabled_passes=tuple(_split(args.disable_pass)),
                            print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,

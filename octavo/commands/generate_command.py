@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
+from octavo.errors import RequestError
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
 
@@ -70,7 +72,13 @@ def run_chat(args: argparse.Namespace) -> int:
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
-        reply = stream_reply(llm, llm.apply_chat_template(messages), _sampling(args))
+        try:
+            reply = stream_reply(llm, llm.apply_chat_template(messages), _sampling(args))
+        except RequestError as error:
+            # The conversation goes on without the message that could not be answered.
+            print(f"error: {error}", file=sys.stderr)
+            messages.pop()
+            continue
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -92,14 +100,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def stream_reply(llm: LLM, prompt, params: SamplingParams) -> str:
-    """Print the reply as it is generated, then its token count and speed; returns the text."""
+    """Print the reply as it is generated, then its token count and speed; returns the text.
+
+    A rejected request (prompt too long, say) raises RequestError before anything is printed.
+    """
     start = time.perf_counter()
     first_token_at = None
     output = None
     for output in llm.stream(prompt, params):
         if output.error:
-            error_console.print(f"error: {output.error}")
-            return ""
+            raise RequestError(output.error)
         delta = output.outputs[0].delta_text
         if delta and first_token_at is None:
             first_token_at = time.perf_counter()
@@ -108,6 +118,7 @@ def stream_reply(llm: LLM, prompt, params: SamplingParams) -> str:
     completion = output.outputs[0]
     tokens = len(completion.token_ids)
     console.out("")
+    console.file.flush()
     error_console.print(f"[dim]({tokens} tokens in {elapsed:.2f}s, {tokens / elapsed:.1f} tok/s, "
                         f"finish: {completion.finish_reason})[/dim]")
     return completion.text

@@ -15,7 +15,9 @@ class Architecture:
     ("silu" for gated SiLU); rope: the rotary kind ("rotate_half");
     qkv_bias: q/k/v projections carry a bias; qk_norm: per-head RMSNorm on q
     and k before RoPE; sliding_window: the model may use sliding-window
-    attention on some or all layers (read per layer by `sliding_windows`).
+    attention on some or all layers (read per layer by `sliding_windows`);
+    per_layer_attention: the HF model reads the config's `layer_types` to pick
+    each layer's attention (False: `sliding_window` applies to every layer).
     """
 
     model_type: str
@@ -25,13 +27,14 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: bool = False
+    per_layer_attention: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama"),
     "mistral": Architecture("mistral", sliding_window=True),
-    "qwen2": Architecture("qwen2", qkv_bias=True, sliding_window=True),
-    "qwen3": Architecture("qwen3", qk_norm=True, sliding_window=True),
+    "qwen2": Architecture("qwen2", qkv_bias=True, sliding_window=True, per_layer_attention=True),
+    "qwen3": Architecture("qwen3", qk_norm=True, sliding_window=True, per_layer_attention=True),
 }
 
 
@@ -48,15 +51,17 @@ def architecture_for(config) -> Architecture:
 def sliding_windows(config) -> list[int]:
     """The attention window of each layer, -1 for full attention.
 
-    Transformers records per-layer attention kinds in `layer_types`
-    ("sliding_attention" / "full_attention"); configs without it (mistral)
-    apply `sliding_window` to every layer when it is set.
+    Qwen2/Qwen3 record per-layer attention kinds in `layer_types`
+    ("sliding_attention" / "full_attention"). Mistral's model applies
+    `sliding_window`, when set, to every layer and ignores `layer_types`
+    even when a checkpoint's config carries one.
     """
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if not architecture_for(config).sliding_window or not window:
+    architecture = architecture_for(config)
+    if not architecture.sliding_window or not window:
         return [-1] * num_layers
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = getattr(config, "layer_types", None) if architecture.per_layer_attention else None
     if layer_types is None:
         return [int(window)] * num_layers
     return [int(window) if kind == "sliding_attention" else -1 for kind in layer_types]

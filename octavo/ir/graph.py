@@ -48,7 +48,11 @@ def find_nodes(graph_module: GraphModule, target) -> list[Node]:
 
 
 def verify_graph(graph_module: GraphModule) -> None:
-    """Lint the graph and check that it only calls ops of the Octavo op set (ATen, octavo::, operator)."""
+    """Lint the graph and check that it only calls ops of the Octavo op set.
+
+    Allowed: call_function of aten/octavo/prims ops, operator and math functions and
+    torch.sym_*; placeholder, get_attr and output nodes. Anything else is an OctavoError.
+    """
     try:
         graph_module.graph.lint()
     except Exception as error:
@@ -62,8 +66,20 @@ def verify_graph(graph_module: GraphModule) -> None:
         if isinstance(target, torch._ops.OpOverload):
             if target.namespace not in _ALLOWED_NAMESPACES:
                 raise OctavoError(f"graph node {node.name} calls {target}, outside the Octavo op set")
-        elif getattr(target, "__module__", None) not in ("_operator", "operator", "math", "torch"):
+        elif not _is_allowed_function(target):
             raise OctavoError(f"graph node {node.name} calls {target!r}, outside the Octavo op set")
+
+
+def _is_allowed_function(target) -> bool:
+    """operator and math functions, and of module torch only the symbolic-size helpers (torch.sym_*).
+
+    The same set graph.onnx can store (octavo.ir.onnx_import.resolve_target); torch.relu and the
+    like are not ATen ops and must not slip through as "module torch".
+    """
+    module = getattr(target, "__module__", None)
+    if module in ("_operator", "operator", "math"):
+        return True
+    return module == "torch" and getattr(target, "__name__", "").startswith("sym_")
 
 
 def format_value(value, symbol_names: dict[str, str] | None = None) -> str:

@@ -1,3 +1,14 @@
 """Imports every pass module so that each registers itself."""
 
-from octavo.passes import canonicalize, match_attention, prune_logits  # noqa: F401
+from octavo.passes import (  # noqa: F401
+    canonicalize,
+    fuse_activation,
+    fuse_add_rms_norm,
+    fuse_gate_up,
+    fuse_pointwise,
+    fuse_qkv,
+    fuse_rms_norm,
+    fuse_rope,
+    match_attention,
+    prune_logits,
+)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from octavo.passes.context import PassContext
 from octavo.passes.registry import register_pass
@@ -47,7 +48,7 @@ def canonicalize(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             counts["noop_casts"] += 1
-        elif node.target is aten.slice.Tensor and _is_full_slice(node):
+        elif is_full_slice(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             counts["noop_slices"] += 1
@@ -75,7 +76,10 @@ def _is_noop_cast(node: Node) -> bool:
     return before.dtype == after.dtype and before.device == after.device and before.layout == after.layout
 
 
-def _is_full_slice(node: Node) -> bool:
+def is_full_slice(node: Node) -> bool:
+    """Whether `node` is an aten.slice.Tensor that keeps its whole dimension (start 0, end >= size, step 1)."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor or node.kwargs:
+        return False
     source = node.args[0]
     if not isinstance(source, Node) or "val" not in source.meta:
         return False
@@ -83,4 +87,8 @@ def _is_full_slice(node: Node) -> bool:
     size = source.meta["val"].shape[dim]
     if start not in (0, None) or step != 1:
         return False
-    return end is None or (isinstance(end, int) and end >= 2**62) or (end is size)
+    if end is None or (isinstance(end, int) and end >= 2**62):
+        return True
+    # An end given as a node (sym_size) is compared through its traced value; ints by value, not identity.
+    end_value = end.meta.get("val") if isinstance(end, Node) else end
+    return isinstance(end_value, int | torch.SymInt) and statically_known_true(end_value >= size)

@@ -10,7 +10,7 @@ from torch.fx import GraphModule, Node
 from octavo.errors import PassError
 from octavo.frontend.architectures import sliding_windows
 from octavo.ir.graph import find_nodes
-from octavo.passes.canonicalize import eliminate_dead_nodes
+from octavo.passes.canonicalize import eliminate_dead_nodes, is_full_slice
 from octavo.passes.context import PassContext
 from octavo.passes.registry import register_pass
 
@@ -113,6 +113,9 @@ def _strip_repeat_kv(tensor: Node) -> tuple[Node, bool]:
             node = node.args[0]
         if node.target is aten.expand.default:
             unsqueezed = node.args[0]
+            # The traced `[:, :, None, :, :]` leaves whole-dimension slices when canonicalize did not run.
+            while is_full_slice(unsqueezed):
+                unsqueezed = unsqueezed.args[0]
             if unsqueezed.target is aten.unsqueeze.default and unsqueezed.args[1] == 2:
                 return unsqueezed.args[0], True
     return tensor, False

@@ -25,7 +25,8 @@ class PassInfo:
 PASSES: dict[str, PassInfo] = {}
 
 PIPELINES: dict[str, list[str]] = {
-    "default": ["canonicalize", "match_attention", "prune_logits"],
+    "default": ["canonicalize", "match_attention", "prune_logits", "fuse_rms_norm", "fuse_add_rms_norm",
+                "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope", "fuse_pointwise"],
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -57,6 +58,12 @@ class LLMEngine:
         layout = manifest["kv_layout"]
         num_blocks = choose_num_blocks(layout, self.config.kv_cache_memory, self.config.num_kv_blocks, self.device)
         self.kv_cache = KVCache(layout, num_blocks, self.device)
+        capacity = num_blocks * layout["block_size"]
+        if capacity < self.max_model_len:
+            # A sequence longer than the whole pool could never be scheduled (it would preempt itself forever).
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences are capped at %d "
+                           "tokens", capacity, self.max_model_len, capacity)
+            self.max_model_len = capacity
         self.block_manager = BlockManager(num_blocks, layout["block_size"])
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.executor = GraphExecutor(self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
@@ -211,8 +218,18 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    """auto: triton on CUDA (when installed), torch on CPU. An explicit triton must be able to run there."""
+    from octavo.codegen.triton_backend.availability import check_triton_backend
+
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        if importlib.util.find_spec("triton") is None:
+            logger.warning("triton is not installed: running the torch backend on CUDA")
+            return "torch"
+        return "triton"
+    if backend == "triton":
+        check_triton_backend(device)
     return backend
 
 

@@ -18,7 +18,12 @@ _DEFAULT_GPU_FRACTION = 0.8
 
 
 class KVCache:
-    """Key/value pools, one pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Key/value pools, one pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    The pools are allocated uninitialized: memory is committed as blocks are
+    first written, and kernels never let a slot that was not written this
+    sequence's lifetime influence a result (they mask by sequence length).
+    """
 
     def __init__(self, kv_layout: dict, num_blocks: int, device: torch.device):
         self.layout = kv_layout
@@ -28,8 +33,8 @@ class KVCache:
         shape = (num_blocks, self.block_size, kv_layout["num_kv_heads"], kv_layout["head_dim"])
         self.tensors: dict[str, torch.Tensor] = {}
         for key_name, value_name in kv_layout["cache_inputs"]:
-            self.tensors[key_name] = torch.zeros(shape, dtype=dtype, device=device)
-            self.tensors[value_name] = torch.zeros(shape, dtype=dtype, device=device)
+            self.tensors[key_name] = torch.empty(shape, dtype=dtype, device=device)
+            self.tensors[value_name] = torch.empty(shape, dtype=dtype, device=device)
 
     @property
     def num_bytes(self) -> int:

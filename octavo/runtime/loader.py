@@ -16,6 +16,7 @@ import torch
 from torch.fx import GraphModule
 
 from octavo.codegen.artifact import FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS, sha256_file
+from octavo.codegen.triton_backend.sources import check_kernel_sources
 from octavo.errors import ArtifactError
 from octavo.runtime.weights import load_safetensors_mmap
 
@@ -88,6 +89,8 @@ def load_artifact(path: str | os.PathLike, verify: bool = True) -> LoadedArtifac
     timings["verify_s"] = time.perf_counter() - start
     start = time.perf_counter()
     graph_module = import_graph_from_onnx(root / GRAPH)
+    # Kernels are regenerated from the graph, never imported from kernels/; a hash mismatch is only reported.
+    check_kernel_sources(graph_module, manifest)
     timings["graph_s"] = time.perf_counter() - start
     start = time.perf_counter()
     weights = load_safetensors_mmap(root / WEIGHTS)

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from octavo.codegen.torch_backend.activation import silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
+from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
+from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
+from octavo.codegen.torch_backend.rotary import rotary_embedding
 
 octavo = torch.ops.octavo
 
 KERNELS = {
     octavo.paged_attention.default: paged_attention,
+    octavo.rms_norm.default: rms_norm,
+    octavo.fused_add_rms_norm.default: fused_add_rms_norm,
+    octavo.rotary_embedding.default: rotary_embedding,
+    octavo.silu_and_mul.default: silu_and_mul,
+    octavo.fused_pointwise.default: fused_pointwise,
 }

@@ -80,6 +80,10 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_blocks = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :num_blocks].long()
+    # Table entries past a sequence's own blocks may hold anything (-1, stale ids): read block 0
+    # there instead; the length mask below hides whatever it holds.
+    own_blocks = (seq_lens.long() + block_size - 1) // block_size
+    blocks = blocks.masked_fill(torch.arange(num_blocks, device=blocks.device) >= own_blocks.unsqueeze(1), 0)
     # [B, Hkv, L, D]: each sequence's context, padded to the longest and masked by length.
     keys = key_cache[blocks].flatten(1, 2).transpose(1, 2).to(query.dtype)
     values = value_cache[blocks].flatten(1, 2).transpose(1, 2).to(query.dtype)
@@ -88,6 +92,10 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     allowed = key_pos <= last
     if sliding_window > 0:
         allowed &= key_pos > last - sliding_window
+    # Slots past a sequence's length hold whatever the pool held (possibly NaN bit patterns):
+    # zero them, since a masked score of NaN would still poison the softmax.
+    hidden = ~allowed.view(batch, 1, -1, 1)
+    keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
     # The query heads of one kv head attend as a group of "query positions" (no repeat of K/V).
     grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed.view(batch, 1, 1, -1),

@@ -1,0 +1,18 @@
+"""Torch (CPU) kernel for octavo.silu_and_mul."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """Same semantics as octavo.ir.ops.activation.silu_and_mul (see its docstring).
+
+    silu runs on a contiguous gate half (as in the reference, so it walks the
+    layout the unfused gate projection had); its fresh result then takes the
+    multiply in place.
+    """
+    half = x.shape[-1] // 2
+    activated = F.silu(x[..., :half].contiguous())
+    return activated.mul_(x[..., half:])

@@ -1,0 +1,48 @@
+"""When the Triton backend can run: on CUDA devices, and on CPU only inside Triton's interpreter (tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from octavo.errors import OctavoError
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+_TRUE_VALUES = ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET asks Triton to run kernels in its numpy interpreter."""
+    return os.environ.get(INTERPRET_ENV, "0").strip().lower() in _TRUE_VALUES
+
+
+def check_triton_backend(device: torch.device) -> None:
+    """Raise OctavoError unless the Triton backend can run on `device`."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        raise OctavoError("backend triton needs the triton package: pip install 'octavo[triton]' "
+                          "(or choose --backend torch)") from error
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreting():
+        return
+    raise OctavoError(f"backend triton needs a CUDA device, got {device.type}; use --backend torch on CPU "
+                      f"({INTERPRET_ENV}=1 runs the Triton kernels in Triton's slow interpreter, for tests)")
+
+
+def rows_per_program(block_columns: int, num_rows: int) -> int:
+    """How many rows one program of a row-wise kernel handles (a power of two).
+
+    On a GPU, enough rows to give a program about 2048 elements (at most 16
+    rows), so narrow rows do not leave most lanes idle. In the interpreter a
+    program's fixed cost dominates: as many rows as fit 32768 elements.
+    """
+    if interpreting():
+        return max(1, min(_next_power_of_2(num_rows), 32768 // block_columns))
+    return max(1, min(16, 2048 // block_columns))
+
+
+def _next_power_of_2(value: int) -> int:
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()

@@ -1,0 +1,66 @@
+"""octavo::rms_norm and octavo::fused_add_rms_norm: Hugging Face's RMSNorm, optionally after the residual add.
+
+The reference implementations are the exact op sequence of transformers'
+LlamaRMSNorm (shared by Mistral, Qwen2 and Qwen3), so a graph using these ops
+computes bit for bit what the decomposed graph computed, in float32 and in
+bfloat16/float16 alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("octavo::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Root-mean-square normalization over the last dim, as transformers' LlamaRMSNorm computes it.
+
+    Shapes: ``x`` [..., H] (any leading dims, each row normalized on its own),
+    ``weight`` [H]. With ``h = x.to(float32)``:
+    ``h = h * rsqrt(mean(h ** 2, dim=-1, keepdim=True) + eps)``, and the
+    result is ``weight * h.to(x.dtype)``: the same shape as ``x``, in the
+    dtype that multiplying ``weight`` by an ``x.dtype`` tensor gives (``x.dtype``
+    when both match). The mean and the rsqrt are computed in float32 even for
+    bfloat16/float16 inputs; the last multiply is in the weight/x dtype.
+    """
+    return rms_norm_reference(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    # Shapes only: running the reference on fake tensors would cost ~25 ms per node at compile time.
+    return torch.empty_like(x, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@torch.library.custom_op("octavo::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add of a decoder block followed by the next RMSNorm, in one op.
+
+    Shapes: ``x`` and ``residual`` [..., H] of one dtype, ``weight`` [H].
+    ``new_residual = residual + x`` (computed in that operand order, in
+    ``x.dtype``); returns ``(rms_norm(new_residual, weight, eps), new_residual)``
+    with ``rms_norm`` exactly as octavo::rms_norm defines it. Nothing is
+    written in place: both results are new tensors.
+    """
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    new_residual = torch.empty_like(x, dtype=torch.promote_types(residual.dtype, x.dtype))
+    return torch.empty_like(new_residual, dtype=torch.promote_types(weight.dtype, new_residual.dtype)), new_residual
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The definition (LlamaRMSNorm.forward, op for op)."""
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The definition: the residual add, then rms_norm_reference of its result."""
+    new_residual = residual + x
+    return rms_norm_reference(new_residual, weight, eps), new_residual

@@ -1,0 +1,1 @@
+"""`octavo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one artifact."""

@@ -1,0 +1,128 @@
+"""POST /v1/chat/completions: messages through the artifact's chat template, streamed or not.
+
+A streamed choice starts with a `{"role": "assistant", "content": ""}` delta, carries `content`
+deltas, and ends with an empty delta holding its `finish_reason`, as OpenAI streams do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from octavo.runtime.outputs import CompletionOutput, RequestOutput
+from octavo.serve.admission import add_prompts, render_chat, sampling_params
+from octavo.serve.context import Generation, ServerContext
+from octavo.serve.errors import APIError
+from octavo.serve.logprobs import chat_logprobs
+from octavo.serve.protocol import ChatCompletionRequest
+from octavo.serve.sse import ClientDisconnectedError, event_stream, until_disconnect
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    context: ServerContext = request.app.state.context
+    context.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, body.effective_max_tokens(), num_top)
+    messages = body.template_messages()
+
+    def add(engine, request_ids):
+        return add_prompts(engine, request_ids, [render_chat(engine, messages)], params, want_text=False,
+                           prompt_field="messages")
+
+    generation = await context.admit(1, params.n, add, arrival)
+    writer = ChatWriter(context, generation, body, num_top)
+    if body.stream:
+        return event_stream(generation, writer.chunks)
+    try:
+        finals = await until_disconnect(request, generation.final_outputs())
+    except ClientDisconnectedError:
+        return Response(status_code=499)
+    finally:
+        generation.close()
+    return JSONResponse(writer.response(finals[0]))
+
+
+class ChatWriter:
+    """Builds the response objects (streamed chunks or one body) of one chat completion request."""
+
+    def __init__(self, context: ServerContext, generation: Generation, body: ChatCompletionRequest,
+                 num_top: int | None):
+        self.generation = generation
+        self.id = f"chatcmpl-{generation.base_id}"
+        self.created = int(time.time())
+        self.model = context.settings.model_name
+        self.num_top = num_top
+        self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        self._sent_tokens: dict[int, int] = {}
+
+    def response(self, final: RequestOutput) -> dict:
+        choices = [{"index": completion.index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": self._logprobs(completion, 0, len(completion.token_ids)),
+                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                   for completion in final.outputs]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(final)}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        while not self.generation.finished:
+            _, output = await self.generation.next_output()
+            for completion in output.outputs:
+                for choice in self._stream_choices(completion):
+                    yield self._envelope([choice])
+        if self.include_usage:
+            final = self.generation.finals[self.generation.added[0].request_id]
+            yield self._envelope([], self.usage(final))
+
+    def usage(self, final: RequestOutput) -> dict:
+        completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
+        prompt_tokens = self.generation.num_prompt_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _stream_choices(self, completion: CompletionOutput) -> list[dict]:
+        index = completion.index
+        choices = []
+        if index not in self._sent_tokens:
+            choices.append(self._delta(index, {"role": "assistant", "content": ""}))
+            self._sent_tokens[index] = 0
+        start = self._sent_tokens[index]
+        end = len(completion.token_ids)
+        if completion.delta_text or (self.num_top is not None and end > start):
+            choices.append(self._delta(index, {"content": completion.delta_text},
+                                       self._logprobs(completion, start, end)))
+            self._sent_tokens[index] = end
+        if completion.finish_reason is not None:
+            choices.append(self._delta(index, {}, finish_reason=completion.finish_reason,
+                                       stop_reason=completion.stop_reason))
+        return choices
+
+    def _logprobs(self, completion: CompletionOutput, start: int, end: int) -> dict | None:
+        if self.num_top is None:
+            return None
+        return {"content": chat_logprobs(completion.logprobs[start:end], completion.token_ids[start:end],
+                                         self.num_top)}
+
+    @staticmethod
+    def _delta(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+               stop_reason: int | str | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return choice
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk

@@ -1,0 +1,126 @@
+"""POST /v1/completions: text or token-id prompts (one or many), streamed or not, as OpenAI answers.
+
+Choice `i * n + j` is sample j of prompt i. `usage.prompt_tokens` counts each prompt once,
+`usage.completion_tokens` every generated token of every sample (EOS included), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from octavo.runtime.outputs import CompletionOutput, RequestOutput
+from octavo.serve.admission import add_prompts, sampling_params
+from octavo.serve.context import Generation, ServerContext
+from octavo.serve.errors import APIError
+from octavo.serve.logprobs import completion_logprobs
+from octavo.serve.protocol import CompletionRequest
+from octavo.serve.sse import ClientDisconnectedError, event_stream, until_disconnect
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    context: ServerContext = request.app.state.context
+    context.check_model(body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                       param="echo")
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    prompts = body.prompt_list()
+    if not prompts:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    generation = await context.admit(
+        len(prompts), params.n, lambda engine, ids: add_prompts(engine, ids, prompts, params, body.echo), arrival)
+    writer = CompletionWriter(context, generation, body, params.n)
+    if body.stream:
+        return event_stream(generation, writer.chunks)
+    try:
+        finals = await until_disconnect(request, generation.final_outputs())
+    except ClientDisconnectedError:
+        return Response(status_code=499)
+    finally:
+        generation.close()
+    return JSONResponse(writer.response(finals))
+
+
+class CompletionWriter:
+    """Builds the response objects (streamed chunks or one body) of one completion request."""
+
+    def __init__(self, context: ServerContext, generation: Generation, body: CompletionRequest, n: int):
+        self.generation = generation
+        self.id = f"cmpl-{generation.base_id}"
+        self.created = int(time.time())
+        self.model = context.settings.model_name
+        self.n = n
+        self.num_top = body.logprobs
+        self.echo = body.echo
+        self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        self._sent_tokens: dict[int, int] = {}
+        self._text_offsets: dict[int, int] = {}
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for completion in output.outputs:
+                index = prompt_index * self.n + completion.index
+                text = self._prompt_text(prompt_index) + completion.text
+                choices.append(self._choice(index, text, completion, completion.token_ids))
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(finals)}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        while not self.generation.finished:
+            prompt_index, output = await self.generation.next_output()
+            for completion in output.outputs:
+                choice = self._stream_choice(prompt_index, completion)
+                if choice is not None:
+                    yield self._envelope([choice])
+        if self.include_usage:
+            finals = [self.generation.finals[item.request_id] for item in self.generation.added]
+            yield self._envelope([], self.usage(finals))
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        completion_tokens = sum(len(completion.token_ids) for output in finals for completion in output.outputs)
+        prompt_tokens = self.generation.num_prompt_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _stream_choice(self, prompt_index: int, completion: CompletionOutput) -> dict | None:
+        index = prompt_index * self.n + completion.index
+        first = index not in self._sent_tokens
+        start = self._sent_tokens.get(index, 0)
+        new_token_ids = completion.token_ids[start:]
+        text = (self._prompt_text(prompt_index) if first else "") + completion.delta_text
+        wants_logprobs = self.num_top is not None and new_token_ids
+        if not text and not wants_logprobs and completion.finish_reason is None:
+            return None
+        self._sent_tokens[index] = len(completion.token_ids)
+        return self._choice(index, text, completion, new_token_ids, start)
+
+    def _choice(self, index: int, text: str, completion: CompletionOutput, token_ids: list[int],
+                start: int = 0) -> dict:
+        logprobs = None
+        if self.num_top is not None:
+            entries = completion.logprobs[start:start + len(token_ids)]
+            logprobs, self._text_offsets[index] = completion_logprobs(entries, token_ids, self.num_top,
+                                                                      self._text_offsets.get(index, 0))
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        return (self.generation.added[prompt_index].prompt_text or "") if self.echo else ""

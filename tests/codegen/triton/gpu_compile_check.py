@@ -1,0 +1,107 @@
+"""Compile every Triton kernel of the backend for a CUDA GPU (sm_90) down to a cubin, without a GPU.
+
+The interpreter accepts code that the compiler rejects (a loop-carried value
+whose type changes, a constexpr misuse); compiling for the real target
+catches those on CPU-only machines. Run without TRITON_INTERPRET:
+``python tests/codegen/triton/gpu_compile_check.py`` (test_triton_gpu_compile.py
+does). Prints one line per kernel; exits 1 if any kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+
+# Where the generated kernel of the check is written (before octavo reads the variable).
+os.environ.setdefault("OCTAVO_CACHE_DIR", tempfile.mkdtemp(prefix="octavo-gpu-compile-"))
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                  "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
+FLOAT_SCALARS = {"qk_scale", "eps"}
+
+
+def signature(kernel, constexprs: dict, data_type: str) -> dict[str, str]:
+    """Triton signature types: pointers of `data_type` (index tensors int32/int64), int32 and fp32 scalars."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = INDEX_POINTERS.get(name, data_type)
+        else:
+            types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return types
+
+
+def cases():
+    from octavo.codegen.triton_backend import (
+        activation,
+        attention_decode,
+        attention_prefill,
+        fused_pointwise,
+        kv_cache_write,
+        norm,
+        rotary,
+    )
+    from octavo.ir.ops.fused_pointwise import Reference, encode_program
+
+    program = encode_program([
+        {"op": "aten._to_copy.default", "args": [Reference("input", 0)], "kwargs": {"dtype": torch.float32}},
+        {"op": "aten.pow.Tensor_Scalar", "args": [Reference("step", 0), 2]},
+        {"op": "aten.mean.dim", "args": [Reference("step", 1), [-1], True]},
+        {"op": "aten.rsqrt.default", "args": [Reference("step", 2)]},
+        {"op": "aten.mul.Tensor", "args": [Reference("input", 1), Reference("step", 3)]},
+    ])
+    generated = fused_pointwise.load_kernel(program)
+    step_dtypes = {"STEP0_DTYPE": tl.float32, "STEP1_DTYPE": tl.float32, "STEP2_DTYPE": tl.float32,
+                   "STEP3_DTYPE": tl.float32, "STEP4_DTYPE": tl.bfloat16}
+    attention = {"BLOCK_N": 32, "BLOCK_D": 128}
+    return [
+        ("kv_cache_write", kv_cache_write._kv_cache_write_kernel, {"BLOCK_T": 2, "BLOCK_H": 8, "BLOCK_D": 128},
+         "*bf16"),
+        ("attention_decode bf16", attention_decode._decode_attention_kernel,
+         {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32"}, "*bf16"),
+        ("attention_decode fp32", attention_decode._decode_attention_kernel,
+         {"BLOCK_G": 16, **attention, "DOT_PRECISION": "ieee"}, "*fp32"),
+        ("attention_prefill bf16", attention_prefill._prefill_attention_kernel,
+         {"BLOCK_M": 64, **attention, "DOT_PRECISION": "tf32"}, "*bf16"),
+        # Triton passes an int argument equal to 1 as a constant: one sequence, no GQA.
+        ("attention_prefill fp32, one sequence", attention_prefill._prefill_attention_kernel,
+         {"BLOCK_M": 64, **attention, "DOT_PRECISION": "ieee", "num_seqs": 1, "group_size": 1}, "*fp32"),
+        ("attention_decode bf16, no GQA", attention_decode._decode_attention_kernel,
+         {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32", "group_size": 1}, "*bf16"),
+        ("rms_norm (fused add)", norm._rms_norm_kernel, {"ADD_RESIDUAL": True, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        ("rotary", rotary._rotary_kernel, {"BLOCK_R": 32, "BLOCK_HALF": 64}, "*bf16"),
+        ("silu_and_mul", activation._gated_activation_kernel, {"ACTIVATION": 0, "BLOCK_R": 2, "BLOCK": 1024},
+         "*bf16"),
+        ("fused_pointwise (generated)", generated, {**step_dtypes, "BLOCK_R": 4, "BLOCK_N": 512}, "*bf16"),
+    ]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: this check compiles for the GPU")
+        return 2
+    failures = 0
+    for name, kernel, constexprs, data_type in cases():
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature(kernel, constexprs, data_type), constexprs),
+                                      target=TARGET, options={"num_warps": 4})
+            print(f"ok    {name}: {len(compiled.asm['cubin'])} bytes of sm_90 code")
+        except Exception:  # report every kernel, then fail
+            failures += 1
+            print(f"FAIL  {name}\n{traceback.format_exc()}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""--backend torch|triton: defaults, the CPU rule (interpreter only), and the kernel table's coverage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.codegen.lowering import backend_kernels
+from octavo.config import EngineConfig
+from octavo.errors import OctavoError
+from octavo.runtime.engine import LLMEngine, resolve_backend
+
+
+def test_auto_is_torch_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(OctavoError, match=r"needs a CUDA device.*--backend torch"):
+        resolve_backend("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+
+
+def test_engine_refuses_triton_on_cpu_without_interpreter(monkeypatch, tiny_artifact):
+    artifact = tiny_artifact("llama")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(OctavoError, match="backend triton needs a CUDA device"):
+        LLMEngine(artifact, EngineConfig(backend="triton", device="cpu", num_kv_blocks=8))
+
+
+def test_every_octavo_op_has_a_triton_kernel_and_a_torch_kernel():
+    import octavo.ir.ops  # noqa: F401
+
+    registered = {name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("octavo::")}
+    for backend in ("torch", "triton"):
+        covered = {op.name().split("::", 1)[1].split(".")[0] for op in backend_kernels(backend)}
+        assert registered <= covered, f"backend {backend} lacks {sorted(registered - covered)}"

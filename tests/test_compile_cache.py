@@ -1,0 +1,122 @@
+"""The compile cache: one artifact per (model checksum, output-deciding options, versions), reused as is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from octavo.compile_cache import cache_key, cache_root, cached_artifact
+from octavo.config import CompileConfig
+from octavo.frontend.sources import load_model
+from octavo.llm import LLM
+from octavo.runtime.sampling_params import SamplingParams
+from tests.conftest import assert_pool_full
+
+
+def snapshot(path: Path) -> dict[str, int]:
+    """Modification time and inode of every file of an artifact (a recompile replaces them all)."""
+    return {str(file.relative_to(path)): (file.stat().st_mtime_ns, file.stat().st_ino)
+            for file in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    """One cache directory for the module, so that later tests find what earlier ones compiled."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def cache_dir(shared_cache, monkeypatch) -> Path:
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(shared_cache))
+    return shared_cache
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("OCTAVO_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "octavo"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "octavo"
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+
+
+def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
+    first = cached_artifact(model_dir, CompileConfig())
+    key = cache_key(load_model(model_dir), CompileConfig())
+    assert first == cache_dir / f"{model_dir.name}-float32-{key}"
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["source"]["checksum_sha256"] == load_model(model_dir).checksum
+    before, entries = snapshot(first), sorted(cache_dir.iterdir())
+    # Options that only change what is written for reading (dumps, progress) are not part of the key.
+    again = cached_artifact(model_dir, CompileConfig(progress=True))
+    assert again == first
+    assert snapshot(again) == before, "the cached artifact was recompiled"
+    assert sorted(cache_dir.iterdir()) == entries, "nothing new was compiled"
+    # LLM(model source) goes through the same cache.
+    llm = LLM(model_dir, num_kv_blocks=8)
+    assert llm.artifact_path == first
+    assert snapshot(first) == before
+    [output] = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 3
+    assert_pool_full(llm.engine)
+
+
+def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir):
+    float32 = cached_artifact(model_dir, CompileConfig(dtype="float32"))
+    before = snapshot(float32)
+    bfloat16 = cached_artifact(model_dir, CompileConfig(dtype="bfloat16"))
+    assert bfloat16 != float32
+    assert snapshot(float32) == before, "compiling another dtype left the float32 entry alone"
+    assert bfloat16.name.startswith(f"{model_dir.name}-bfloat16-")
+    assert json.loads((bfloat16 / "manifest.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((float32 / "manifest.json").read_text())["dtype"] == "float32"
+    weights = json.loads((bfloat16 / "manifest.json").read_text())["signature"]
+    assert weights["weight_bytes"] < json.loads((float32 / "manifest.json").read_text())["signature"]["weight_bytes"]
+
+
+def test_the_key_follows_the_model_checksum_not_its_location(tmp_path, model_dir):
+    config = CompileConfig()
+    original = cache_key(load_model(model_dir), config)
+    copy = Path(shutil.copytree(model_dir, tmp_path / "elsewhere" / model_dir.name))
+    assert cache_key(load_model(copy), config) == original, "an identical copy must hit the same entry"
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert cache_key(load_model(copy), config) != original
+    shutil.copy(model_dir / "model.safetensors", weights)
+    config_json = json.loads((copy / "config.json").read_text())
+    config_json["rms_norm_eps"] = 1e-5
+    (copy / "config.json").write_text(json.dumps(config_json))
+    assert cache_key(load_model(copy), config) != original
+
+
+def test_the_key_follows_the_output_deciding_options_only(model_dir, tmp_path):
+    source = load_model(model_dir)
+    base = cache_key(source, CompileConfig())
+    assert cache_key(source, CompileConfig(block_size=32)) != base
+    assert cache_key(source, CompileConfig(disabled_passes=("prune_logits",))) != base
+    assert cache_key(source, CompileConfig(dtype="float16")) != base
+    assert cache_key(source, CompileConfig(dump_dir=str(tmp_path), progress=True,
+                                           print_ir_after=("prune_logits",))) == base
+    assert cache_key(source, CompileConfig(disabled_passes=("a", "b"))) == cache_key(
+        source, CompileConfig(disabled_passes=("b", "a")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
