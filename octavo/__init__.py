@@ -26,5 +26,5 @@ def load(path, **engine_options) -> LLM:
     return LLM(path, **engine_options)
 
 
-__all__ = ["LLM", "CompileConfig", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
-           "compile_model", "load"]
+__all__ = ["LLM", "BeamSearchParams", "CompileConfig", "CompletionOutput", "EngineConfig", "RequestOutput",
+           "SamplingParams", "compile_model", "load"]

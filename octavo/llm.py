@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError, RequestError
+from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
@@ -40,6 +42,19 @@ class LLM:
         self.artifact_path = path
         self.engine = LLMEngine(path, EngineConfig.from_kwargs(**engine_options))
         self._ids = itertools.count()
+        self._active: str | None = None
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """One generate/stream/beam_search at a time: they all step the same engine."""
+        if self._active is not None:
+            raise OctavoError(f"cannot {what} while {self._active} is in progress on this LLM "
+                              "(finish or close the open stream first)")
+        self._active = what
+        try:
+            yield
+        finally:
+            self._active = None
 
     @property
     def tokenizer(self):
@@ -54,6 +69,10 @@ class LLM:
         A request that is invalid (too long, say) does not stop the others:
         its output has `error` set and no completions.
         """
+        with self._exclusive("generate"):
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
@@ -73,21 +92,40 @@ class LLM:
         return [outputs[request_id] for request_id in order]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that changed it; read `delta_text` for new text."""
-        request_id = f"stream-{next(self._ids)}"
-        rejected = self._add(request_id, prompt, sampling_params or SamplingParams())
-        if rejected is not None:
-            yield rejected
-            return
-        try:
-            while True:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        yield output
-                        if output.finished:
-                            return
-        finally:
-            self.engine.abort_request(request_id)
+        """Yield the request's output after every step that changed it; read `delta_text` for new text.
+
+        While the stream is open, this LLM runs nothing else (closing the
+        iterator early aborts the request).
+        """
+        with self._exclusive("stream"):
+            request_id = f"stream-{next(self._ids)}"
+            rejected = self._add(request_id, prompt, sampling_params or SamplingParams())
+            if rejected is not None:
+                yield rejected
+                return
+            try:
+                while True:
+                    for output in self.engine.step():
+                        if output.request_id == request_id:
+                            yield output
+                            if output.finished:
+                                return
+            finally:
+                self.engine.abort_request(request_id)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int | BeamSearchParams,
+                    max_tokens: int | None = None, *, ignore_eos: bool = False,
+                    length_penalty: float = 1.0) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's semantics, see octavo.runtime.beam_search); one output per prompt, best first."""
+        params = beam_width if isinstance(beam_width, BeamSearchParams) else BeamSearchParams(
+            beam_width, max_tokens if max_tokens is not None else 16, ignore_eos, length_penalty)
+        token_prompts = []
+        for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            token_prompts.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        with self._exclusive("beam_search"):
+            return beam_search(self.engine, token_prompts, params)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              **generate_options) -> list[RequestOutput]:

@@ -30,8 +30,11 @@ def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) 
     token_times: dict[str, list[float]] = {}
     finished = {}
     preemptions_before = engine.scheduler.num_preemptions
+    hits_before = engine.block_manager.stats.hit_tokens
+    memory = KVMemoryTracker(engine)
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        memory.sample()
         now = time.perf_counter()
         for output in outputs:
             new_tokens = len(output.outputs[0].delta_token_ids) if output.outputs else 0
@@ -41,8 +44,44 @@ def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) 
     elapsed = time.perf_counter() - start
     result = _result("octavo", workload, prompts, elapsed, start, token_times)
     result.extra["preemptions"] = engine.scheduler.num_preemptions - preemptions_before
+    result.extra["prefix-cache hit tokens"] = engine.block_manager.stats.hit_tokens - hits_before
+    result.extra.update(memory.summary())
     ordered = [finished[f"bench-{index}"].outputs[0].token_ids for index in range(len(prompts))]
     return result, ordered
+
+
+class KVMemoryTracker:
+    """Per-step KV figures: slots used vs allocated, and vs what reserving max_model_len per sequence takes."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.stored = self.allocated = self.reserved = 0
+
+    def sample(self) -> None:
+        engine = self.engine
+        running = engine.scheduler.running
+        if not running:
+            return
+        size = engine.block_manager.block_size
+        blocks = {block for seq in running for block in seq.block_table}
+        utilization = engine.kv_utilization()
+        self.allocated += len(blocks) * size
+        self.stored += utilization * len(blocks) * size
+        self.reserved += len(running) * engine.max_model_len
+
+    def summary(self) -> dict[str, str]:
+        if not self.allocated:
+            return {}
+        return {"KV utilization": f"{self.stored / self.allocated:.1%} of allocated slots hold tokens",
+                "paged/reserving slots": f"{self.allocated / self.reserved:.1%} (max_model_len reservation "
+                                         f"would need {self.reserved / self.allocated:.1f}x)"}
+
+
+def workload_blocks(workload: Workload, artifact) -> int:
+    """KV blocks needed to hold every request of the workload at its full length at once."""
+    block_size = artifact.kv_layout["block_size"]
+    prompts = workload.prompts(artifact.manifest["vocab_size"])
+    return sum(-(-(len(prompt) + workload.output_len) // block_size) for prompt in prompts)
 
 
 def run_hf(model: torch.nn.Module, workload: Workload, prompts: list[list[int]], pad_token_id: int | None):

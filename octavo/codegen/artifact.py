@@ -102,10 +102,22 @@ def _write_kernels(directory: Path, kernels: dict[str, str]) -> None:
 
 def _make_readable(root: Path) -> None:
     """mkdtemp creates the staging dir private; give the artifact the usual umask-derived modes."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _current_umask()
     for path in [root, *root.rglob("*")]:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _current_umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask both sets and reads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _replace_directory(staging: Path, target: Path) -> None:

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
-from octavo.bench.runners import run_hf, run_octavo
+from octavo.bench.runners import run_hf, run_octavo, workload_blocks
 from octavo.bench.workloads import get_workload
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
 from octavo.errors import OctavoError
 from octavo.runtime.engine import LLMEngine
+from octavo.runtime.loader import load_artifact
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark an artifact on a fixed workload")
     parser.add_argument("artifact", nargs="?", help="artifact directory (with --server: optional, for its tokenizer)")
     parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix")
-    parser.add_argument("--vs", choices=["hf"], default=None, help="also run Hugging Face generate and compare")
+    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool"], default=None,
+                        help="also run a baseline in this process and print the ratio: Hugging Face generate, "
+                        "the engine without prefix caching, or the engine with a pool that holds every request")
+    parser.add_argument("--kv-pool-fraction", type=float, default=None, metavar="F",
+                        help="size the KV pool to F x the blocks the whole workload needs at once (e.g. 0.25)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     parser.add_argument("--server", metavar="URL", help="benchmark a running `octavo serve` (or any OpenAI-compatible "
                         "server) online: streaming requests with Poisson arrivals")
@@ -40,13 +46,22 @@ def run(args: argparse.Namespace) -> int:
     if config.num_threads is None:
         config.num_threads = 2
     torch.set_num_threads(config.num_threads)
-    engine = LLMEngine(args.artifact, config)
+    artifact = load_artifact(args.artifact)
+    needed_blocks = workload_blocks(workload, artifact)
+    if args.kv_pool_fraction is not None:
+        config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
+    engine = LLMEngine(artifact, config)
     special = set(getattr(engine.tokenizer, "all_special_ids", []))
     prompts = workload.prompts(engine.vocab_size, special)
     console.print(f"workload {workload.name}: {workload.description} "
-                  f"({config.num_threads} threads, {engine.device}, backend {engine.backend})")
+                  f"({config.num_threads} threads, {engine.device}, backend {engine.backend}, "
+                  f"KV pool {engine.block_manager.num_blocks} blocks = "
+                  f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
     octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
     console.print(octavo_result.line())
+    if args.vs in ("no-prefix-caching", "full-pool"):
+        _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
+                                octavo_tokens)
     if args.vs == "hf":
         hf_result, hf_tokens = _run_hf_baseline(engine, workload, prompts)
         same = sum(a == b for a, b in zip(octavo_tokens, hf_tokens, strict=True))
@@ -55,6 +70,22 @@ def run(args: argparse.Namespace) -> int:
         console.print(f" ratio {workload.name}: octavo/hf output tok/s = {ratio:.2f}x; "
                       f"identical greedy outputs {same}/{len(prompts)}")
     return 0
+
+
+def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, workload, prompts,
+                            result, tokens) -> None:
+    """Run the same workload on a second engine that differs in one option, and print the ratio."""
+    changes = ({"enable_prefix_caching": False} if variant == "no-prefix-caching"
+               else {"num_kv_blocks": needed_blocks, "kv_cache_memory": None})
+    baseline_config = dataclasses.replace(config, **changes)
+    baseline = LLMEngine(artifact, baseline_config)
+    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+    baseline_result.engine = variant
+    console.print(baseline_result.line())
+    same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
+    ratio = result.output_tokens_per_s / baseline_result.output_tokens_per_s
+    console.print(f" ratio {workload.name}: octavo/{variant} output tok/s = {ratio:.2f}x; "
+                  f"identical greedy outputs {same}/{len(prompts)}")
 
 
 def _run_online(args: argparse.Namespace, workload) -> int:

@@ -8,8 +8,8 @@ from rich.console import Console
 
 from octavo.config import EngineConfig
 
-console = Console(highlight=False)
-error_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)
+error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

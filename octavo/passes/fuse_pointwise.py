@@ -68,9 +68,9 @@ def is_fusible(node: Node) -> bool:
         return False
     if set(node.kwargs) - ALLOWED_KWARGS.get(_NAMES[node.target], set()):
         return False
-    if node.target in _REDUCTIONS and not _is_row_reduction(node):
+    if not all(_is_fusible_argument(arg) for arg in [*node.args, *node.kwargs.values()]):
         return False
-    return all(_is_fusible_argument(arg) for arg in [*node.args, *node.kwargs.values()])
+    return node.target not in _REDUCTIONS or _is_row_reduction(node)
 
 
 def _is_fusible_argument(arg) -> bool:
@@ -94,8 +94,8 @@ def _row_compatible(group: set[Node], node: Node) -> bool:
     root_value, value = tensor_value(_root(group)), tensor_value(node)
     if value.dim() != root_value.dim() or not all(map(same_size, value.shape[:-1], root_value.shape[:-1])):
         return False
-    widths = [tensor_value(member).shape[-1] for member in group]
-    widths += [value.shape[-1]] + [tensor_value(arg).shape[-1] for arg in node.all_input_nodes]
+    widths = [_width(tensor_value(member)) for member in group]
+    widths += [_width(value)] + [_width(tensor_value(arg)) for arg in node.all_input_nodes]
     wide = [width for width in widths if not same_size(width, 1)]
     if any(not same_size(width, wide[0]) for width in wide[1:]):
         return False
@@ -103,8 +103,13 @@ def _row_compatible(group: set[Node], node: Node) -> bool:
     return all(_broadcasts_to(tensor_value(arg).shape, row) for arg in node.all_input_nodes)
 
 
+def _width(value: torch.Tensor):
+    """The last dim (1 for a 0-d tensor, which broadcasts like one)."""
+    return value.shape[-1] if value.dim() else 1
+
+
 def _root(group: set[Node]) -> Node:
-    """The group's root: the member used outside the group (the first member, by construction)."""
+    """The group's root: its one member used outside it (the node the group grew from)."""
     return next(member for member in group if any(user not in group for user in member.users))
 
 

@@ -15,6 +15,7 @@ whenever that decode does not end with U+FFFD (a trailing incomplete character i
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +79,13 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         self._output_text_parts.append(delta)
         return delta
+
+    def clone(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (for a forked sequence)."""
+        twin = copy.copy(self)
+        twin._token_ids = list(self._token_ids)
+        twin._output_text_parts = list(self._output_text_parts)
+        return twin
 
     @property
     def output_text(self) -> str:

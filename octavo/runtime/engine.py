@@ -17,16 +17,18 @@ from octavo.errors import OctavoError, RequestError
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.host_pool import HostBlockPool
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
-from octavo.runtime.kv_cache import KVCache, choose_num_blocks
+from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 from octavo.runtime.loader import LoadedArtifact, load_artifact
-from octavo.runtime.outputs import Logprob, RequestOutput
+from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
+from octavo.runtime.output_processor import OutputProcessor
+from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.request import Request
-from octavo.runtime.sampler import Sampler, SamplingRow
+from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
-from octavo.runtime.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -54,46 +56,72 @@ class LLMEngine:
         self.tokenizer = self.artifact.tokenizer
         self.eos_token_ids = self.artifact.eos_token_ids
         self.vocab_size = manifest["vocab_size"]
-        self.max_model_len = min(self.config.max_model_len or manifest["max_model_len"], manifest["max_model_len"])
+        self.max_model_len = self._max_model_len(manifest)
+        self._length_limit_note = ""
         layout = manifest["kv_layout"]
         num_blocks = choose_num_blocks(layout, self.config.kv_cache_memory, self.config.num_kv_blocks, self.device)
-        self.kv_cache = KVCache(layout, num_blocks, self.device)
-        capacity = num_blocks * layout["block_size"]
+        num_host_blocks = self._num_host_blocks(layout)
+        self.kv_cache = KVCache(layout, num_blocks, self.device, num_host_blocks)
+        self._cap_max_model_len(num_blocks * layout["block_size"])
+        self.block_manager = BlockManager(num_blocks, layout["block_size"],
+                                          enable_prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.preemption_mode,
+                                   HostBlockPool(num_host_blocks) if num_host_blocks else None)
+        self.executor = GraphExecutor(self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
+        self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
+                                       self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.last_step: StepRecord | None = None
+        self.num_steps = 0
+        self._request_counter = itertools.count()
+        logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, backend %s, prefix caching %s, "
+                    "preemption %s, %d host blocks)", num_blocks, layout["block_size"],
+                    num_blocks * layout["block_size"], self.kv_cache.num_bytes / 2**20, self.device, self.backend,
+                    "on" if self.config.enable_prefix_caching else "off", self.config.preemption_mode,
+                    num_host_blocks)
+
+    def _max_model_len(self, manifest: dict) -> int:
+        limit = manifest["max_model_len"]
+        requested = self.config.max_model_len
+        if requested is not None and requested > limit:
+            raise OctavoError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
+        return requested or limit
+
+    def _cap_max_model_len(self, capacity: int) -> None:
         if capacity < self.max_model_len:
             # A sequence longer than the whole pool could never be scheduled (it would preempt itself forever).
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences are capped at %d "
                            "tokens", capacity, self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.block_manager = BlockManager(num_blocks, layout["block_size"])
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.executor = GraphExecutor(self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
-        self.requests: dict[str, Request] = {}
-        self.last_step: StepRecord | None = None
-        self._request_counter = itertools.count()
-        logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, backend %s)",
-                    num_blocks, layout["block_size"], num_blocks * layout["block_size"],
-                    self.kv_cache.num_bytes / 2**20, self.device, self.backend)
+            self._length_limit_note = ", limited by the KV cache size (raise kv_cache_memory)"
+
+    def _num_host_blocks(self, layout: dict) -> int:
+        if self.config.preemption_mode != "swap":
+            return 0
+        return max(1, int(self.config.swap_space // bytes_per_block(layout)))
 
     # ---- requests ----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request:
-        """Queue a request (text or token ids). Invalid requests raise RequestError and change nothing."""
+        """Queue a request (text or token ids). Invalid requests raise RequestError and change nothing.
+
+        With n > 1, sample 0 computes the prompt; the other samples are forked
+        from it (sharing its blocks) when its first token is sampled.
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
-        request = Request(request_id, text, token_ids, params)
-        for index in range(params.n):
-            seq = Sequence(request_id, index, token_ids, params,
-                           IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                  params.spaces_between_special_tokens),
-                           generator=_generator(params, index), priority=priority)
-            request.sequences.append(seq)
-            self.scheduler.add(seq)
+        request = Request(request_id, text, token_ids, params, priority=priority)
+        seq = Sequence(request_id, 0, token_ids, params, self._detokenizer(token_ids, params),
+                       generator=_generator(params, 0), priority=priority)
+        request.sequences.append(seq)
+        self.scheduler.add(seq)
         self.requests[request_id] = request
         return request
 
@@ -106,66 +134,73 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 seq.finish_time = time.monotonic()
+        request.aborted = True
         return request.make_output()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def get_metrics(self) -> EngineMetrics:
+        return collect_engine_metrics(self)
+
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the graph once, sample, and return the outputs of every request that changed."""
+        executed = self.execute_step()
+        if executed is None:
+            return []
+        schedule, inputs, logits = executed
+        rows = []
+        for row, scheduled_index in enumerate(inputs.sampled_rows):
+            seq = schedule.scheduled[scheduled_index].seq
+            rows.append((seq, row))
+            rows += [(sibling, row) for sibling in self._fork_siblings(seq)]
+        self.outputs.sample_and_append(rows, logits)
+        return self._collect_outputs({item.seq.request_id for item in schedule.scheduled})
+
+    def execute_step(self) -> tuple[SchedulerOutput, StepInputs, torch.Tensor] | None:
+        """Schedule and run the graph; advance computed-token counts; score prompt logprobs. No sampling."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
+            return None
+        self._move_blocks(schedule)
         inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
         feed = {**inputs.to(self.device).as_dict(), **self.kv_cache.tensors}
         logits = self.executor.run(feed)
         self.last_step = StepRecord(schedule, inputs, logits)
-        sampled = [schedule.scheduled[row].seq for row in inputs.sampled_rows]
+        self.num_steps += 1
+        for index, (first_row, count) in inputs.prompt_rows.items():
+            seq = schedule.scheduled[index].seq
+            self.outputs.add_prompt_logprobs(self.requests[seq.request_id], logits[first_row:first_row + count],
+                                             seq.num_computed_tokens)
         for item in schedule.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        touched = {item.seq.request_id for item in schedule.scheduled}
-        if sampled:
-            self._sample_and_append(sampled, logits)
-        return self._collect_outputs(touched)
+            self.block_manager.cache_full_blocks(item.seq)
+        return schedule, inputs, logits
 
-    def _sample_and_append(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
-        rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
-                for seq in sampled]
-        result = self.sampler(logits, rows)
-        token_ids = result.token_ids.tolist()
-        logprobs = result.sampled_logprobs.tolist()
-        for row, seq in enumerate(sampled):
-            seq.append_token(token_ids[row])
-            seq.cumulative_logprob += logprobs[row]
-            if seq.output_logprobs is not None:
-                seq.output_logprobs.append(self._logprob_entry(result, row, seq.params.logprobs))
-            delta = seq.detokenizer.append([token_ids[row]])
-            seq.output_text += delta
-            decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_ids, seq.output_text,
-                                  len(delta), seq.num_tokens, self.max_model_len)
-            if decision.finished:
-                if decision.truncate_text_to is not None:
-                    seq.output_text = seq.output_text[:decision.truncate_text_to]
-                seq.stop_reason = decision.stop_reason
-                status = (SequenceStatus.FINISHED_STOPPED if decision.finish_reason == "stop"
-                          else SequenceStatus.FINISHED_LENGTH)
-                self.scheduler.finish(seq, status)
-                seq.finish_time = time.monotonic()
+    def _move_blocks(self, schedule: SchedulerOutput) -> None:
+        """Before the step runs: swap-outs read their blocks first, then copy-on-write, then swap-ins."""
+        self.kv_cache.swap_out(schedule.swap_out)
+        copies = self.block_manager.take_pending_copies()
+        self.kv_cache.copy_blocks([(copy.source, copy.destination) for copy in copies])
+        self.kv_cache.swap_in(schedule.swap_in)
 
-    def _logprob_entry(self, result, row: int, num_top: int) -> dict[int, Logprob]:
-        token = int(result.token_ids[row])
-        entry = {token: Logprob(float(result.sampled_logprobs[row]), int(result.sampled_ranks[row]),
-                                self.tokenizer.decode([token]))}
-        if num_top and result.top_token_ids is not None:
-            for rank, (token_id, value) in enumerate(zip(result.top_token_ids[row, :num_top].tolist(),
-                                                         result.top_logprobs[row, :num_top].tolist(),
-                                                         strict=True), 1):
-                entry.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
-        return entry
+    def _fork_siblings(self, seq: Sequence) -> list[Sequence]:
+        """Create a request's remaining parallel samples from sample 0, sharing its blocks."""
+        request = self.requests.get(seq.request_id)
+        if request is None or seq.index != 0 or not request.pending_forks:
+            return []
+        siblings = []
+        for index in range(len(request.sequences), request.params.n):
+            sibling = seq.fork(index, _generator(request.params, index))
+            self.block_manager.fork(seq, sibling)
+            self.scheduler.add_running(sibling)
+            request.sequences.append(sibling)
+            siblings.append(sibling)
+        return siblings
 
     def _collect_outputs(self, request_ids: set[str]) -> list[RequestOutput]:
         outputs = []
@@ -176,7 +211,21 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
+    def kv_utilization(self) -> float:
+        """Tokens stored / token slots of the blocks in use (1.0 = no slot allocated but unused)."""
+        filled: dict[int, int] = {}
+        size = self.block_manager.block_size
+        for seq in self.scheduler.running:
+            for index, block_id in enumerate(seq.block_table):
+                stored = min(size, max(0, seq.num_computed_tokens - index * size))
+                filled[block_id] = max(filled.get(block_id, 0), stored)
+        return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+
     # ---- validation ----
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,12 +243,9 @@ class LLMEngine:
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(token_ids)} tokens, but the model's max_model_len is "
-                               f"{self.max_model_len} (prompt plus at least one generated token must fit)")
+                               f"{self.max_model_len}{self._length_limit_note}; the prompt plus at least one "
+                               "generated token must fit")
         params.verify_token_ids(self.vocab_size)
-        needed = self.block_manager.blocks_for_tokens(len(token_ids) + 1)
-        if needed > self.block_manager.num_blocks:
-            raise RequestError(f"the prompt needs {needed} KV blocks but the cache has only "
-                               f"{self.block_manager.num_blocks}; raise kv_cache_memory")
 
 
 def _generator(params: SamplingParams, index: int) -> torch.Generator | None:

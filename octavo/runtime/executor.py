@@ -30,7 +30,10 @@ class GraphExecutor:
     def __init__(self, graph_module: GraphModule, weights: dict[str, torch.Tensor], backend: str,
                  device: torch.device):
         self.device = device
-        graph_module = bind_weights(graph_module, weights, device)
+        # Work on a copy: binding and lowering rewrite the graph, and the artifact may serve other engines.
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(graph_module.graph, {}))
+        graph_module = bind_weights(GraphModule(torch.nn.Module(), graph), weights, device)
         self.graph_module = lower_graph(graph_module, backend)
         self.input_names = [node.name for node in self.graph_module.graph.nodes if node.op == "placeholder"]
 

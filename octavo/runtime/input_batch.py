@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,10 @@ class StepInputs:
     seq_lens: torch.Tensor         # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B + 1]
     logits_indices: torch.Tensor   # int64 [N]
-    sampled_rows: list[int]        # which scheduled entries (by index) own the N logits rows
+    sampled_rows: list[int]        # scheduled entries (by index) that sample; their logits are rows 0..S-1
+    prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # scheduled index -> (first logits row, count) of prompt positions scored for prompt_logprobs,
+    # rows S.. of the logits; the rows are consecutive token positions from the chunk's start
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in
@@ -29,7 +32,7 @@ class StepInputs:
 
     def to(self, device: torch.device) -> StepInputs:
         moved = {name: tensor.to(device, non_blocking=True) for name, tensor in self.as_dict().items()}
-        return StepInputs(**moved, sampled_rows=self.sampled_rows)
+        return StepInputs(**moved, sampled_rows=self.sampled_rows, prompt_rows=self.prompt_rows)
 
 
 def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
@@ -51,6 +54,9 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
     slot_mapping = block_tables[owner, positions // block_size].long() * block_size + positions % block_size
     sampled_rows = [index for index, item in enumerate(scheduled) if item.samples]
     logits_indices = query_start_loc[1:][sampled_rows] - 1
+    prompt_rows, extra = _prompt_logprob_rows(scheduled, query_start_loc, len(sampled_rows))
+    if extra:
+        logits_indices = torch.cat([logits_indices, *extra])
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -60,7 +66,28 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
         query_start_loc=query_start_loc.to(torch.int32),
         logits_indices=logits_indices,
         sampled_rows=sampled_rows,
+        prompt_rows=prompt_rows,
     )
+
+
+def _prompt_logprob_rows(scheduled: list[ScheduledSequence], query_start_loc: torch.Tensor,
+                         first_row: int) -> tuple[dict[int, tuple[int, int]], list[torch.Tensor]]:
+    """Extra logits rows for sequences that want prompt logprobs: positions p of this chunk with
+    p < prompt_len - 1 (the logits at p score prompt token p + 1)."""
+    rows: dict[int, tuple[int, int]] = {}
+    indices: list[torch.Tensor] = []
+    for index, item in enumerate(scheduled):
+        seq = item.seq
+        if seq.params.prompt_logprobs is None:
+            continue
+        start = seq.num_computed_tokens
+        count = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1) - start
+        if count <= 0:
+            continue
+        rows[index] = (first_row, count)
+        first_row += count
+        indices.append(int(query_start_loc[index]) + torch.arange(count))
+    return rows, indices
 
 
 def _new_token_ids(scheduled: list[ScheduledSequence]) -> list[int]:

@@ -25,20 +25,55 @@ class KVCache:
     sequence's lifetime influence a result (they mask by sequence length).
     """
 
-    def __init__(self, kv_layout: dict, num_blocks: int, device: torch.device):
+    def __init__(self, kv_layout: dict, num_blocks: int, device: torch.device, num_host_blocks: int = 0):
         self.layout = kv_layout
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
         self.block_size = kv_layout["block_size"]
+        self.device = device
         dtype = getattr(torch, kv_layout["cache_dtype"])
-        shape = (num_blocks, self.block_size, kv_layout["num_kv_heads"], kv_layout["head_dim"])
-        self.tensors: dict[str, torch.Tensor] = {}
-        for key_name, value_name in kv_layout["cache_inputs"]:
-            self.tensors[key_name] = torch.empty(shape, dtype=dtype, device=device)
-            self.tensors[value_name] = torch.empty(shape, dtype=dtype, device=device)
+        block_shape = (self.block_size, kv_layout["num_kv_heads"], kv_layout["head_dim"])
+        names = [name for pair in kv_layout["cache_inputs"] for name in pair]
+        self.tensors: dict[str, torch.Tensor] = {
+            name: torch.empty((num_blocks, *block_shape), dtype=dtype, device=device) for name in names}
+        # The host pool that swap preemption copies to: pinned on CUDA, a second CPU pool on CPU.
+        pin = device.type == "cuda"
+        self.host_tensors: dict[str, torch.Tensor] = {
+            name: torch.empty((num_host_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+            for name in names} if num_host_blocks else {}
 
     @property
     def num_bytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors.values())
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block contents source -> destination, for every layer (copy-on-write)."""
+        if pairs:
+            source, destination = self._indices(pairs, self.device)
+            for tensor in self.tensors.values():
+                tensor.index_copy_(0, destination, tensor.index_select(0, source))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs: copy device contents into the host pool."""
+        if pairs:
+            device_ids, host_ids = self._indices(pairs, self.device)
+            host_ids = host_ids.cpu()
+            for name, tensor in self.tensors.items():
+                self.host_tensors[name].index_copy_(0, host_ids, tensor.index_select(0, device_ids).cpu())
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs: copy host contents back into the device pool."""
+        if pairs:
+            host_ids, device_ids = self._indices(pairs, torch.device("cpu"))
+            device_ids = device_ids.to(self.device)
+            for name, tensor in self.tensors.items():
+                blocks = self.host_tensors[name].index_select(0, host_ids).to(self.device, non_blocking=True)
+                tensor.index_copy_(0, device_ids, blocks)
+
+    @staticmethod
+    def _indices(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.tensor(pairs, dtype=torch.int64, device=device)
+        return table[:, 0], table[:, 1]
 
 
 def bytes_per_block(kv_layout: dict) -> int:

@@ -14,18 +14,21 @@ from dataclasses import dataclass
 class EngineMetrics:
     """One snapshot of the engine's state.
 
-    - ``num_running`` / ``num_waiting``: requests with a sample in the running / waiting queue.
+    - ``num_running`` / ``num_waiting``: requests with a sample in the running / waiting queue;
+      ``num_swapped``: requests with a sample preempted to the host pool (swap preemption).
     - ``kv_blocks_total``: blocks in the pool; ``kv_blocks_used``: blocks some sequence references;
-      ``kv_blocks_free``: ``total - used`` (this includes cached blocks, which can be evicted);
-      ``kv_blocks_cached``: unreferenced blocks kept for the prefix cache (0 until prefix caching exists).
+      ``kv_blocks_free``: ``total - used``, the blocks an allocation can take (never used, or cached);
+      ``kv_blocks_cached``: the free blocks that still hold reusable prefix-cache contents.
+      "Every block free or merely cached" is ``kv_blocks_used == 0``.
     - ``kv_usage``: ``kv_blocks_used / kv_blocks_total`` in [0, 1].
     - ``num_preemptions``: preemptions since the engine started (cumulative).
     - ``prefix_cache_queries_tokens`` / ``prefix_cache_hits_tokens``: prompt tokens looked up in / found in
-      the prefix cache since the engine started (cumulative; 0 until prefix caching exists).
+      the prefix cache since the engine started (cumulative).
     """
 
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
@@ -47,8 +50,7 @@ def collect_engine_metrics(engine) -> EngineMetrics:
     """Read the snapshot from `engine.scheduler` and `engine.block_manager`.
 
     Call it from the thread that owns the engine: the queues are read without a lock.
-    Fields the engine does not provide yet (prefix-cache counters, cached blocks) are read when
-    present and are 0 otherwise.
+    The prefix-cache fields are read when the block manager has them (0 otherwise).
     """
     scheduler = engine.scheduler
     manager = engine.block_manager
@@ -58,6 +60,7 @@ def collect_engine_metrics(engine) -> EngineMetrics:
     return EngineMetrics(
         num_running=len({seq.request_id for seq in scheduler.running}),
         num_waiting=len({seq.request_id for seq in scheduler.waiting}),
+        num_swapped=len({seq.request_id for seq in getattr(scheduler, "swapped", ())}),
         kv_blocks_total=total,
         kv_blocks_used=used,
         kv_blocks_free=total - used,

@@ -21,13 +21,22 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    num_cached_tokens: int = 0
+    priority: int = 0
+    aborted: bool = False
     _sent_text: dict[int, int] = field(default_factory=dict)
     _sent_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(seq.is_finished for seq in self.sequences)
+        """Rejected, or all n samples exist (siblings are forked after the prompt) and finished."""
+        if self.error is not None or self.aborted:
+            return True
+        return len(self.sequences) == self.params.n and all(seq.is_finished for seq in self.sequences)
+
+    @property
+    def pending_forks(self) -> int:
+        """Parallel samples not forked yet: they are forked from sample 0 once its prompt is computed."""
+        return self.params.n - len(self.sequences)
 
     def make_output(self) -> RequestOutput:
         """Snapshot of the request; deltas are what is new since the previous snapshot.
@@ -35,11 +44,12 @@ class Request:
         While a sample runs, the last characters that could begin a stop
         string are held back from the delta (they may still be cut off).
         """
-        completions = [self._completion(seq) for seq in self.sequences]
+        completions = [self._completion(seq) for seq in sorted(self.sequences, key=lambda seq: seq.index)]
         first_token = min((seq.first_token_time for seq in self.sequences if seq.first_token_time), default=None)
         finished_at = max((seq.finish_time or 0.0 for seq in self.sequences), default=None) if self.finished else None
+        cached = max((seq.num_cached_tokens for seq in self.sequences), default=0)
         metrics = RequestMetrics(self.arrival_time, first_token, finished_at,
-                                 sum(seq.num_preemptions for seq in self.sequences), self.num_cached_tokens)
+                                 sum(seq.num_preemptions for seq in self.sequences), cached)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
                              self.prompt_logprobs, self.error, metrics)
 

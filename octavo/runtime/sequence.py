@@ -52,8 +52,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     output_logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    host_block_table: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    _block_hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -97,6 +100,29 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def block_hashes(self, block_manager) -> list[int]:
+        """Hash chain of the sequence's full blocks of tokens (computed incrementally, then kept)."""
+        size = block_manager.block_size
+        while len(self._block_hashes) < len(self.token_ids) // size:
+            index = len(self._block_hashes)
+            parent = self._block_hashes[-1] if index else None
+            tokens = tuple(self.token_ids[index * size:(index + 1) * size])
+            self._block_hashes.append(block_manager.hash_function(parent, tokens))
+        return self._block_hashes
+
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        """A copy sharing this sequence's history (tokens, text, progress); blocks are forked separately."""
+        child = Sequence(self.request_id, index, self.prompt_token_ids, self.params,
+                         self.detokenizer.clone() if self.detokenizer is not None else None,
+                         generator=generator, arrival_time=self.arrival_time, priority=self.priority,
+                         token_ids=list(self.token_ids), num_computed_tokens=self.num_computed_tokens,
+                         status=self.status, output_text=self.output_text,
+                         cumulative_logprob=self.cumulative_logprob,
+                         output_logprobs=list(self.output_logprobs) if self.output_logprobs is not None else None,
+                         num_cached_tokens=self.num_cached_tokens, first_token_time=self.first_token_time)
+        child._block_hashes = list(self._block_hashes)
+        return child
 
     def reset_for_recompute(self) -> None:
         """Forget the cache state (after preemption by recompute): everything is recomputed."""

@@ -32,6 +32,8 @@ class EngineCollector(Collector):
         gauges = {
             "octavo_num_requests_running": ("Requests with a sample in the running queue", metrics.num_running),
             "octavo_num_requests_waiting": ("Requests with a sample in the waiting queue", metrics.num_waiting),
+            "octavo_num_requests_swapped": ("Requests with a sample swapped out to host memory",
+                                            metrics.num_swapped),
             "octavo_kv_cache_usage_perc": ("Share of KV blocks in use, 0..1", metrics.kv_usage),
             "octavo_kv_blocks_total": ("KV blocks in the pool", metrics.kv_blocks_total),
             "octavo_kv_blocks_used": ("KV blocks referenced by a sequence", metrics.kv_blocks_used),

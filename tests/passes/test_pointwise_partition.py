@@ -35,7 +35,7 @@ def brute_force_convex(dag: nx.DiGraph, group: set) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(random_dags())
 def test_groups_are_convex_single_result_and_contract_to_a_dag(case):
     dag, fusible, reductions = case
@@ -49,7 +49,9 @@ def test_groups_are_convex_single_result_and_contract_to_a_dag(case):
         leaving = [node for node in group if any(user not in inside for user in dag.successors(node))]
         assert leaving in ([], [group[-1]]), "only the root's value may leave the group"
         assert is_convex(dag, inside) and brute_force_convex(dag, inside)
-        assert group == sorted(group), "members are listed in topological order"
+        position = {node: index for index, node in enumerate(group)}
+        assert all(position[source] < position[target] for source, target in dag.subgraph(group).edges), \
+            "members are listed in topological order"
     assert nx.is_directed_acyclic_graph(contracted(dag, groups))
 
 

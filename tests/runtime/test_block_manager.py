@@ -24,11 +24,12 @@ def check_accounting(manager: BlockManager, sequences: list[Sequence]) -> None:
         for block_id in seq.block_table:
             references[block_id] += 1
     assert manager.ref_counts == references
-    free = list(manager.free_block_ids)
-    assert len(free) == len(set(free)), "a block is in the free list twice"
+    # A free block is either plain free or, holding a full block of tokens, kept for the prefix cache.
+    free = list(manager.free_block_ids) + list(manager.cached_free_blocks)
+    assert len(free) == len(set(free)), "a block is in the free lists twice"
     assert not [block for block in free if references[block]], "a referenced block is also free"
     unreferenced = {block for block in range(manager.num_blocks) if references[block] == 0}
-    assert set(free) == unreferenced, "an unreferenced block is missing from the free list"
+    assert set(free) == unreferenced, "an unreferenced block is missing from the free lists"
     assert manager.num_free_blocks + manager.num_used_blocks == manager.num_blocks
 
 
@@ -89,8 +90,8 @@ def test_can_allocate_counts_only_missing_blocks_against_free_ones():
     assert not manager.can_allocate(seq, 13)
     assert manager.can_allocate(other, 4)
     assert not manager.can_allocate(other, 5)
-    assert manager.num_missing_blocks(seq, 8) == 0
-    assert manager.num_missing_blocks(seq, 16) == 2
+    assert manager.num_blocks_needed(seq, 8) == 0
+    assert manager.num_blocks_needed(seq, 16) == 2
 
 
 def test_allocating_past_the_pool_raises_and_changes_nothing():
@@ -137,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.block_table == []
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        missing = self.manager.num_missing_blocks(seq, num_tokens)
+        missing = self.manager.num_blocks_needed(seq, num_tokens)
         if self.manager.can_allocate(seq, num_tokens):
             self.manager.allocate(seq, num_tokens)
             self.token_counts[id(seq)] = num_tokens

@@ -128,7 +128,7 @@ def test_too_long_prompt_is_rejected_alone(artifact, limit, prompt_length):
     rejected = outputs[1]
     assert rejected.finished and rejected.outputs == []
     assert rejected.error == (f"the prompt has {prompt_length} tokens, but the model's max_model_len is "
-                              f"{expected_limit} (prompt plus at least one generated token must fit)")
+                              f"{expected_limit}; the prompt plus at least one generated token must fit")
     for output in (outputs[0], outputs[2]):
         assert output.error is None
         assert len(output.outputs[0].token_ids) == 6 and output.outputs[0].finish_reason == "length"

@@ -124,7 +124,7 @@ def test_streaming_matches_whole_text_search(stops, chunks, include):
         decision = check_stop(params, EOS, [5] * count, text, len(chunk), count, 10_000)
         if decision.finished:
             break
-        shown_prefixes.append(text[: len(text) - held_back_length(params)])
+        shown_prefixes.append(text[: max(0, len(text) - held_back_length(params))])
     final_text = text if decision.truncate_text_to is None else text[: decision.truncate_text_to]
 
     matches = [(text.find(stop), stop) for stop in stops if stop in text]

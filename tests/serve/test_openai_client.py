@@ -84,3 +84,20 @@ def test_models_and_error_statuses(client, tiny_server):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=tiny_server.model, messages=MESSAGES, temperature=-1)
     assert raised.value.body["param"] == "temperature"
+
+
+def test_stop_string_streamed_and_not_equals_offline(client, tiny_server, tiny_offline):
+    free_text = tiny_offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    stop = free_text[len(free_text) // 2:len(free_text) // 2 + 4]  # occurs mid-output, may span tokens
+    expected = tiny_offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+
+    response = client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                         stop=[stop])
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected.text  # nothing past the stop leaked
+    assert chunks[-1].choices[0].finish_reason == "stop"

@@ -1,0 +1,89 @@
+"""Turning a step's logits into tokens, logprobs, text and finished sequences."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from octavo.runtime.outputs import Logprob
+from octavo.runtime.request import Request
+from octavo.runtime.sampler import Sampler, SamplerOutput, SamplingRow
+from octavo.runtime.scheduler import Scheduler
+from octavo.runtime.sequence import Sequence, SequenceStatus
+from octavo.runtime.stop_checker import check_stop
+
+
+class OutputProcessor:
+    """Samples the next tokens of a step and applies them: append, detokenize, stop checks."""
+
+    def __init__(self, sampler: Sampler, scheduler: Scheduler, tokenizer, eos_token_ids: list[int],
+                 max_model_len: int):
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def sample_and_append(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """`rows` pairs each sequence with its logits row (parallel samples share their parent's row)."""
+        if not rows:
+            return
+        row_index = torch.tensor([row for _, row in rows], device=logits.device)
+        sequences = [seq for seq, _ in rows]
+        sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+                         for seq in sequences]
+        result = self.sampler(logits.index_select(0, row_index), sampling_rows)
+        token_ids = result.token_ids.tolist()
+        logprobs = result.sampled_logprobs.tolist()
+        for index, seq in enumerate(sequences):
+            seq.append_token(token_ids[index])
+            seq.cumulative_logprob += logprobs[index]
+            if seq.output_logprobs is not None:
+                seq.output_logprobs.append(self.logprob_entry(result, index, seq.params.logprobs))
+            delta = seq.detokenizer.append([token_ids[index]])
+            seq.output_text += delta
+            self._check_stop(seq, len(delta))
+
+    def _check_stop(self, seq: Sequence, new_text_len: int) -> None:
+        decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_ids, seq.output_text,
+                              new_text_len, seq.num_tokens, self.max_model_len)
+        if not decision.finished:
+            return
+        if decision.truncate_text_to is not None:
+            seq.output_text = seq.output_text[:decision.truncate_text_to]
+        seq.stop_reason = decision.stop_reason
+        status = SequenceStatus.FINISHED_STOPPED if decision.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        self.scheduler.finish(seq, status)
+        seq.finish_time = time.monotonic()
+
+    def logprob_entry(self, result: SamplerOutput, row: int, num_top: int) -> dict[int, Logprob]:
+        """The chosen token's logprob and rank, plus the top `num_top` tokens of that row."""
+        token = int(result.token_ids[row])
+        entry = {token: Logprob(float(result.sampled_logprobs[row]), int(result.sampled_ranks[row]),
+                                self.tokenizer.decode([token]))}
+        if num_top and result.top_token_ids is not None:
+            pairs = zip(result.top_token_ids[row, :num_top].tolist(), result.top_logprobs[row, :num_top].tolist(),
+                        strict=True)
+            for rank, (token_id, value) in enumerate(pairs, 1):
+                entry.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+        return entry
+
+    def add_prompt_logprobs(self, request: Request, logits: torch.Tensor, start: int) -> None:
+        """Score prompt tokens start+1 .. start+len(logits) with the logits rows of positions start.. ."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        count = logits.shape[0]
+        tokens = request.prompt_token_ids[start:start + count + 1]
+        scores = self.sampler.prompt_logprobs(logits, tokens, request.params.prompt_logprobs)
+        values, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
+        top_values, top_ids = scores.top_logprobs.tolist(), scores.top_token_ids.tolist()
+        for offset in range(count):
+            position = start + offset + 1
+            if position != len(request.prompt_logprobs):
+                continue  # already scored before a preemption made the prompt be recomputed
+            token = tokens[offset + 1]
+            entry = {token: Logprob(values[offset], ranks[offset], self.tokenizer.decode([token]))}
+            for rank, (token_id, value) in enumerate(zip(top_ids[offset], top_values[offset], strict=True), 1):
+                entry.setdefault(token_id, Logprob(value, rank, self.tokenizer.decode([token_id])))
+            request.prompt_logprobs.append(entry)
