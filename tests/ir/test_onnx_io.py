@@ -5,114 +5,28 @@ from __future__ import annotations
 import json
 import math
 import operator
-import re
 
-import numpy as np
 import onnx
 import pytest
 import torch
-from onnx.reference import ReferenceEvaluator
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import octavo.ir.ops  # noqa: F401  (registers octavo::paged_attention)
-from octavo.errors import ArtifactError
 from octavo.ir.onnx_io import export_graph_to_onnx, import_graph_from_onnx, save_onnx
+from tests.ir.onnx_round_trip_helpers import (
+    TOKEN_SPECS,
+    assert_bitwise_equal,
+    assert_same_graph,
+    onnx_node,
+    program_inputs,
+    round_trip,
+    small_matrix,
+    trace_hf,
+)
 
 aten = torch.ops.aten
-
-
-# ------------------------------------------------------------------------------------- helpers
-
-
-def round_trip(gm: torch.fx.GraphModule, input_specs=None) -> tuple[onnx.ModelProto, torch.fx.GraphModule]:
-    """Export, check with the full ONNX checker, serialize to bytes, parse, import."""
-    model = export_graph_to_onnx(gm, input_specs)
-    onnx.checker.check_model(model, full_check=True)
-    parsed = onnx.load_model_from_string(model.SerializeToString())
-    return model, import_graph_from_onnx(parsed)
-
-
-def describe(value):
-    """A comparable description of an FX argument that keeps list/tuple/int/float/bool apart."""
-    if isinstance(value, torch.fx.Node):
-        return ("node", value.name)
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, tuple(describe(item) for item in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((key, describe(item)) for key, item in value.items()))
-    if isinstance(value, float) and math.isnan(value):
-        return ("float", "nan")
-    return (type(value).__name__, value)
-
-
-def graph_description(gm: torch.fx.GraphModule) -> list[tuple]:
-    return [
-        (node.op, node.name, node.target, describe(node.args), describe(dict(node.kwargs)))
-        for node in gm.graph.nodes
-    ]
-
-
-def assert_same_graph(original: torch.fx.GraphModule, imported: torch.fx.GraphModule) -> None:
-    assert graph_description(imported) == graph_description(original)
-
-
-def assert_bitwise_equal(actual, expected) -> None:
-    if isinstance(expected, list | tuple):
-        assert type(actual) is type(expected) and len(actual) == len(expected)
-        for a, e in zip(actual, expected, strict=True):
-            assert_bitwise_equal(a, e)
-    else:
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
-
-
-def onnx_node(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
-    return next(node for node in model.graph.node if node.name == name)
-
-
-def trace_hf(model_class, config_class, **extra):
-    config = config_class(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, **extra,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.m = inner
-
-        def forward(self, input_ids, positions):
-            return self.m(
-                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
-            ).logits[0]
-
-    length = torch.export.Dim("T", min=2)
-    program = torch.export.export(
-        Wrapper(model), (torch.randint(0, 128, (7,)), torch.arange(7)),
-        dynamic_shapes={"input_ids": {0: length}, "positions": {0: length}}, strict=False,
-    )
-    return program.run_decompositions({})
-
-
-def program_inputs(program, input_ids, positions) -> list[torch.Tensor]:
-    """The graph's positional inputs: weights from the state dict / constants, then the tokens."""
-    tensors = {**program.state_dict, **program.constants}
-    values = []
-    for spec in program.graph_signature.input_specs:
-        if spec.arg.name == "input_ids":
-            values.append(input_ids)
-        elif spec.arg.name == "positions":
-            values.append(positions)
-        else:
-            values.append(tensors[spec.target])
-    return values
-
-
-TOKEN_SPECS = {"input_ids": (torch.int64, ["T"]), "positions": (torch.int64, ["T"])}
 
 
 @pytest.fixture(scope="module")
@@ -187,103 +101,6 @@ def test_traced_model_is_a_normal_onnx_model_with_standard_ops_where_exact(llama
     assert [d.dim_value for d in weight.type.tensor_type.shape.dim] == [128, 64]
 
 
-# ----------------------------------------------------------------- standard ops match ATen exactly
-
-
-def _x():
-    return torch.tensor([[0.5, -1.25, 2.0, 3.5], [-0.75, 1.5, -2.5, 0.25], [1.0, -3.0, 0.125, 4.0]])
-
-
-STANDARD_CASES = [
-    ("add", lambda x: x + torch.sin(x), "aten.add.Tensor", "Add"),
-    ("add_scalar", lambda x: x + 0.1, "aten.add.Tensor", "Add"),
-    ("sub", lambda x: x - 2, "aten.sub.Tensor", "Sub"),
-    ("mul", lambda x: x * x, "aten.mul.Tensor", "Mul"),
-    ("div", lambda x: x / 3.0, "aten.div.Tensor", "Div"),
-    ("pow", lambda x: x ** 2, "aten.pow.Tensor_Scalar", "Pow"),
-    ("neg", lambda x: -x, "aten.neg.default", "Neg"),
-    ("exp", torch.exp, "aten.exp.default", "Exp"),
-    ("sqrt", lambda x: x.abs().sqrt(), "aten.sqrt.default", "Sqrt"),
-    ("cos", torch.cos, "aten.cos.default", "Cos"),
-    ("sin", torch.sin, "aten.sin.default", "Sin"),
-    ("sigmoid", torch.sigmoid, "aten.sigmoid.default", "Sigmoid"),
-    ("tanh", torch.tanh, "aten.tanh.default", "Tanh"),
-    ("relu", torch.relu, "aten.relu.default", "Relu"),
-    ("reciprocal", torch.reciprocal, "aten.reciprocal.default", "Reciprocal"),
-    ("permute", lambda x: x.permute(1, 0), "aten.permute.default", "Transpose"),
-    ("cat", lambda x: torch.cat([x, -x], -1), "aten.cat.default", "Concat"),
-    ("select", lambda x: x[:, -1], "aten.select.int", "Gather"),
-    ("slice", lambda x: x[:, 1::2], "aten.slice.Tensor", "Slice"),
-    ("unsqueeze", lambda x: x.unsqueeze(-1), "aten.unsqueeze.default", "Unsqueeze"),
-    ("squeeze", lambda x: x[:, :1].squeeze(1), "aten.squeeze.dim", "Squeeze"),
-    ("view", lambda x: x.view(2, -1), "aten.view.default", "Reshape"),
-    ("expand", lambda x: x[:1].expand(2, 4), "aten.expand.default", "Expand"),
-    ("mm", lambda x: x @ x.T, "aten.mm.default", "MatMul"),
-    ("softmax", lambda x: torch.softmax(x, -1), "aten._softmax.default", "Softmax"),
-    ("log_softmax", lambda x: torch.log_softmax(x, 0), "aten._log_softmax.default", "LogSoftmax"),
-    ("mean", lambda x: x.mean(-1, keepdim=True), "aten.mean.dim", "ReduceMean"),
-    ("sum", lambda x: x.sum([0]), "aten.sum.dim_IntList", "ReduceSum"),
-    ("amax", lambda x: x.amax(1), "aten.amax.default", "ReduceMax"),
-    ("where", lambda x: torch.where(x > 0, x, -x), "aten.where.self", "Where"),
-    ("less_equal", lambda x: x <= 0.5, "aten.le.Scalar", "LessOrEqual"),
-    ("equal", lambda x: x == x.abs(), "aten.eq.Tensor", "Equal"),
-    ("and", lambda x: (x > 0) & (x < 2), "aten.bitwise_and.Tensor", "And"),
-    ("cast", lambda x: (x * 4).to(torch.int32), "aten._to_copy.default", "Cast"),
-    ("clone", lambda x: x.clone(), "aten.clone.default", "Identity"),
-    ("split", lambda x: torch.split(x, [1, 3], dim=1)[1], "aten.split_with_sizes.default", "Split"),
-]
-
-
-@pytest.mark.parametrize(("fx_target", "op_type", "fn"), [(c[2], c[3], c[1]) for c in STANDARD_CASES],
-                         ids=[c[0] for c in STANDARD_CASES])
-def test_standard_op_computes_what_the_aten_op_computes(fx_target, op_type, fn):
-    gm = make_fx(fn, tracing_mode="fake")(_x())
-    model, imported = round_trip(gm)
-
-    node = next(n for n in gm.graph.nodes if str(n.target) == fx_target)
-    assert (onnx_node(model, node.name).domain, onnx_node(model, node.name).op_type) == ("", op_type)
-    assert all(n.domain == "" for n in model.graph.node)
-    (onnx_result,) = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: _x().numpy()})
-    expected = fn(_x())
-    np.testing.assert_allclose(onnx_result, expected.numpy(), rtol=1e-6, atol=0)
-    assert onnx_result.dtype == expected.numpy().dtype
-    assert_same_graph(gm, imported)
-
-
-def test_index_gathers_match_aten():
-    def fn(table, ids):
-        return torch.index_select(table, 1, ids) + torch.nn.functional.embedding(ids, table.T)[:, :3].T
-
-    table, ids = _x(), torch.tensor([2, 0, 3])
-    gm = make_fx(fn, tracing_mode="fake")(table, ids)
-    model, imported = round_trip(gm)
-    gathers = [n for n in model.graph.node if n.op_type == "Gather"]
-    assert {json.loads(n.doc_string)["target"] for n in gathers} == {
-        "aten::index_select.default", "aten::embedding.default"}
-    (onnx_result,) = ReferenceEvaluator(model).run(None, {"table_1": table.numpy(), "ids_1": ids.numpy()})
-    np.testing.assert_array_equal(onnx_result, fn(table, ids).numpy())
-    assert_same_graph(gm, imported)
-
-
-@pytest.mark.parametrize(("name", "fn", "dtype"), [
-    ("int_true_division", lambda x: x / 2, torch.int64),  # ATen promotes to float, ONNX Div does not
-    ("add_with_alpha", lambda x: torch.add(x, x, alpha=2), torch.float32),
-    ("bf16_inexact_scalar", lambda x: x + 0.1, torch.bfloat16),  # ATen adds 0.1 in float32
-    ("mixed_dtypes", lambda x: x + x.to(torch.float64), torch.float32),
-    ("squeeze_non_unit_dim", lambda x: x.squeeze(1), torch.float32),  # ATen no-op, ONNX error
-    ("expand_minus_one", lambda x: x[:1].expand(-1, 4), torch.float32),
-    ("bf16_cos", torch.cos, torch.bfloat16),  # ONNX Cos has no bfloat16
-])
-def test_ops_without_exact_onnx_equivalent_stay_custom(name, fn, dtype):
-    x = (_x() * 4).to(dtype)
-    gm = make_fx(fn, tracing_mode="fake")(x)
-    model, imported = round_trip(gm)
-    last_call = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
-    assert onnx_node(model, last_call.name).domain == "ai.octavo"
-    assert_same_graph(gm, imported)
-    assert_bitwise_equal(imported(x), fn(x))
-
-
 # ------------------------------------------------------------------------ hand-made FX graphs
 
 
@@ -348,7 +165,7 @@ def test_multi_output_ops_become_one_onnx_node_and_getitems_come_back_in_place()
     total = graph.call_function(aten.add.Tensor, (first, third))
     graph.output((total, mean, first_again, negated))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    x_value = _x()
+    x_value = small_matrix()
     FakeTensorProp(gm).propagate(x_value)
 
     model, imported = round_trip(gm)
@@ -427,71 +244,3 @@ def test_graph_without_meta_round_trips_with_undefined_types(tmp_path):
     assert_same_graph(gm, import_graph_from_onnx(str(tmp_path / "graph.onnx")))
 
 
-# ------------------------------------------------------------------------------------- errors
-
-
-def _single_op_graph(target, args, kwargs=None) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    node = graph.call_function(target, tuple(x if a is None else a for a in args), kwargs or {})
-    graph.output(node)
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-
-@torch.library.custom_op("octavo_onnx_test::double", mutates_args=())
-def _double(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@pytest.mark.parametrize(("gm", "message"), [
-    (_single_op_graph(torch.ops.octavo_onnx_test.double.default, [None]), "cannot be stored in graph.onnx"),
-    (_single_op_graph(torch.add, [None, None]), "cannot be stored in graph.onnx"),
-    (_single_op_graph(aten.add.Tensor, [None, None], {"alpha": slice(1)}), "argument slice"),
-])
-def test_export_rejects_unstorable_targets_and_arguments(gm, message):
-    with pytest.raises(ArtifactError, match=message):
-        export_graph_to_onnx(gm)
-
-
-def test_export_rejects_get_attr_nodes_and_unknown_input_specs():
-    root = torch.nn.Module()
-    root.weight = torch.nn.Parameter(torch.ones(2))
-    graph = torch.fx.Graph()
-    graph.output(graph.get_attr("weight"))
-    with pytest.raises(ArtifactError, match="get_attr nodes are not supported"):
-        export_graph_to_onnx(torch.fx.GraphModule(root, graph))
-    with pytest.raises(ArtifactError, match=r"input_specs names \['z'\]"):
-        export_graph_to_onnx(_single_op_graph(aten.neg.default, [None]), {"z": (torch.float32, [1])})
-
-
-def _exported_neg() -> onnx.ModelProto:
-    return export_graph_to_onnx(_single_op_graph(aten.neg.default, [None]))
-
-
-@pytest.mark.parametrize("bad_target", ["aten::no_such_op.default", "builtins.eval", "os.system",
-                                        "torch.load", "mylib::neg.default", "aten::neg.__class__"])
-def test_import_rejects_ops_it_does_not_know(bad_target):
-    model = _exported_neg()
-    node = model.graph.node[0]
-    template = json.loads(node.doc_string)
-    node.doc_string = json.dumps({**template, "target": bad_target})
-    expected = f"graph.onnx node neg_default uses op {bad_target} which this Octavo version does not know"
-    with pytest.raises(ArtifactError, match=re.escape(expected)):
-        import_graph_from_onnx(model)
-
-
-def test_import_rejects_models_that_are_not_octavo_graphs():
-    plain = _exported_neg()
-    del plain.metadata_props[:]
-    with pytest.raises(ArtifactError, match="not an Octavo graph"):
-        import_graph_from_onnx(plain)
-
-    no_template = _exported_neg()
-    no_template.graph.node[0].doc_string = ""
-    with pytest.raises(ArtifactError, match="node neg_default has no Octavo template"):
-        import_graph_from_onnx(no_template)
-
-    bad_reference = _exported_neg()
-    bad_reference.graph.node[0].doc_string = json.dumps({"target": "aten::neg.default", "args": [{"$in": 3}]})
-    with pytest.raises(ArtifactError, match="refers to missing input 3"):
-        import_graph_from_onnx(bad_reference)
