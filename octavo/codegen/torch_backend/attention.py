@@ -31,8 +31,8 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         for b in multi:
             start, end = starts[b], starts[b + 1]
-            output[start:end] = _prefill_attention(query[start:end], key_cache, value_cache, block_tables[b],
-                                                   lens[b], scale, sliding_window)
+            output[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end], key_cache,
+                                                   value_cache, block_tables[b], lens[b], scale, sliding_window)
     return output
 
 
@@ -52,25 +52,28 @@ def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int) -> Tenso
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
 
 
-def _prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor, seq_len: int,
-                       scale: float, sliding_window: int) -> Tensor:
-    q_len, num_heads, _ = query.shape
-    keys = gather_context(key_cache, block_table, seq_len)
-    values = gather_context(value_cache, block_table, seq_len)
-    group = num_heads // keys.shape[1]
-    # SDPA layout [1, heads, tokens, dim]; kv heads are repeated for the math kernel's GQA.
+def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                       block_table: Tensor, seq_len: int, scale: float, sliding_window: int) -> Tensor:
+    q_len = query.shape[0]
+    if q_len == seq_len and key.dtype == key_cache.dtype:
+        # The chunk is the whole context, just written to the cache unchanged: read it from the inputs.
+        keys, values = key, value
+    else:
+        keys = gather_context(key_cache, block_table, seq_len)
+        values = gather_context(value_cache, block_table, seq_len)
+    # SDPA layout [1, heads, tokens, dim]; enable_gqa lets each kv head serve its group without a repeat.
     q = query.transpose(0, 1).unsqueeze(0)
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    k = keys.transpose(0, 1).unsqueeze(0).to(query.dtype)
+    v = values.transpose(0, 1).unsqueeze(0).to(query.dtype)
     if q_len == seq_len and sliding_window <= 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         mask = key_pos <= query_pos
         if sliding_window > 0:
             mask &= key_pos > query_pos - sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -78,24 +81,21 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
                       seq_lens: Tensor, scale: float, sliding_window: int) -> Tensor:
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    # Table entries past a sequence's own blocks may hold anything (-1, stale ids): read block 0
-    # there instead; the length mask below hides whatever it holds.
-    own_blocks = (seq_lens.long() + block_size - 1) // block_size
-    blocks = blocks.masked_fill(torch.arange(num_blocks, device=blocks.device) >= own_blocks.unsqueeze(1), 0)
-    # [B, Hkv, L, D]: each sequence's context, padded to the longest and masked by length.
-    keys = key_cache[blocks].flatten(1, 2).transpose(1, 2).to(query.dtype)
-    values = value_cache[blocks].flatten(1, 2).transpose(1, 2).to(query.dtype)
-    key_pos = torch.arange(keys.shape[2], device=query.device).view(1, -1)
-    last = (seq_lens.long() - 1).view(batch, 1)
-    allowed = key_pos <= last
+    lengths = seq_lens.long().view(batch, 1)
+    positions = torch.arange(int(lengths.max()), device=query.device).view(1, -1)
+    written = positions < lengths
+    # Past a sequence's end (padding to the longest) read its first token's slot instead: a slot it
+    # wrote, so finite, and masked below. Unwritten slots may hold NaN bit patterns, which a masked
+    # score would still carry into the softmax; table entries past a sequence's blocks are never read.
+    read_positions = positions * written
+    blocks = block_tables.long().gather(1, read_positions // block_size)
+    slots = blocks * block_size + read_positions % block_size
+    # [B, Hkv, L, D]: each sequence's context, padded to the longest.
+    keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(query.dtype)
+    values = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(query.dtype)
+    allowed = written
     if sliding_window > 0:
-        allowed &= key_pos > last - sliding_window
-    # Slots past a sequence's length hold whatever the pool held (possibly NaN bit patterns):
-    # zero them, since a masked score of NaN would still poison the softmax.
-    hidden = ~allowed.view(batch, 1, -1, 1)
-    keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
+        allowed = allowed & (positions > lengths - 1 - sliding_window)
     # The query heads of one kv head attend as a group of "query positions" (no repeat of K/V).
     grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed.view(batch, 1, 1, -1),
