@@ -19,6 +19,7 @@ from octavo.errors import OctavoError
 from octavo.frontend import load_model, trace
 from octavo.frontend.sources import ModelSource
 from octavo.ir.graph import format_value, op_histogram
+from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "passes": ctx.history,
         "op_histogram": op_histogram(graph_module),
         "node_count": len(graph_module.graph.nodes),
+        "layers": layer_summary(graph_module),
         "compile_timings": {key: round(value, 3) for key, value in timings.items()},
     }
 

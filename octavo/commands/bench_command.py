@@ -22,6 +22,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool"], default=None,
                         help="also run a baseline in this process and print the ratio: Hugging Face generate, "
                         "the engine without prefix caching, or the engine with a pool that holds every request")
+    parser.add_argument("--vs-artifact", metavar="DIR", default=None,
+                        help="also run the workload on this second artifact (e.g. compiled with --disable-pass) "
+                        "in this process and print the ratio")
     parser.add_argument("--kv-pool-fraction", type=float, default=None, metavar="F",
                         help="size the KV pool to F x the blocks the whole workload needs at once (e.g. 0.25)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
@@ -37,7 +40,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     workload = get_workload(args.workload)
     if args.num_requests:
-        workload = type(workload)(**{**workload.__dict__, "num_requests": args.num_requests})
+        workload = dataclasses.replace(workload, num_requests=args.num_requests,
+                                       description=f"{workload.description}, run with --num-requests "
+                                                   f"{args.num_requests}")
     if args.server:
         return _run_online(args, workload)
     if args.artifact is None:
@@ -58,17 +63,19 @@ def run(args: argparse.Namespace) -> int:
                   f"KV pool {engine.block_manager.num_blocks} blocks = "
                   f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
     octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
-    console.print(octavo_result.line())
+    console.print(octavo_result.line(), markup=False)
     if args.vs in ("no-prefix-caching", "full-pool"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
                                 octavo_tokens)
+    if args.vs_artifact:
+        _compare_artifact(args.vs_artifact, config, workload, prompts, octavo_result, octavo_tokens)
     if args.vs == "hf":
         hf_result, hf_tokens = _run_hf_baseline(engine, workload, prompts)
         same = sum(a == b for a, b in zip(octavo_tokens, hf_tokens, strict=True))
-        console.print(hf_result.line())
+        console.print(hf_result.line(), markup=False)
         ratio = octavo_result.output_tokens_per_s / hf_result.output_tokens_per_s
         console.print(f" ratio {workload.name}: octavo/hf output tok/s = {ratio:.2f}x; "
-                      f"identical greedy outputs {same}/{len(prompts)}")
+                      f"identical greedy outputs {same}/{len(prompts)}", markup=False)
     return 0
 
 
@@ -77,15 +84,23 @@ def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, 
     """Run the same workload on a second engine that differs in one option, and print the ratio."""
     changes = ({"enable_prefix_caching": False} if variant == "no-prefix-caching"
                else {"num_kv_blocks": needed_blocks, "kv_cache_memory": None})
-    baseline_config = dataclasses.replace(config, **changes)
-    baseline = LLMEngine(artifact, baseline_config)
+    baseline = LLMEngine(artifact, dataclasses.replace(config, **changes))
+    _compare(variant, baseline, workload, prompts, result, tokens)
+
+
+def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> None:
+    """Run the same workload on a second artifact with the same engine options, and print the ratio."""
+    _compare(f"octavo[{path}]", LLMEngine(load_artifact(path), config), workload, prompts, result, tokens)
+
+
+def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:
     baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
-    baseline_result.engine = variant
-    console.print(baseline_result.line())
+    baseline_result.engine = name
+    console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
     ratio = result.output_tokens_per_s / baseline_result.output_tokens_per_s
-    console.print(f" ratio {workload.name}: octavo/{variant} output tok/s = {ratio:.2f}x; "
-                  f"identical greedy outputs {same}/{len(prompts)}")
+    console.print(f" ratio {workload.name}: octavo/{name} output tok/s = {ratio:.2f}x; "
+                  f"identical greedy outputs {same}/{len(prompts)}", markup=False)
 
 
 def _run_online(args: argparse.Namespace, workload) -> int:
@@ -100,7 +115,7 @@ def _run_online(args: argparse.Namespace, workload) -> int:
                   f"Poisson arrivals at {args.rate:g} req/s")
     result = asyncio.run(run_online(args.server, model, prompts, workload.output_len, args.rate, workload.name,
                                     args.api_key))
-    console.print(result.line())
+    console.print(result.line(), markup=False)
     return 0
 
 

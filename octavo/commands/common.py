@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from rich.console import Console
 
 from octavo.config import EngineConfig
 
-console = Console(highlight=False, soft_wrap=True)
-error_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output (a file, a log) has no terminal width; rich would assume 80 columns and wrap tables.
+PIPED_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+console = Console(highlight=False, soft_wrap=True, width=PIPED_WIDTH)
+error_console = Console(stderr=True, highlight=False, soft_wrap=True, width=PIPED_WIDTH)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

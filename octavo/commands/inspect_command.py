@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"weights  {signature['num_weights']} tensors, {signature['weight_bytes'] / 2**20:.1f} MiB")
     console.print(f"graph    {manifest['node_count']} nodes")
     console.print(_ops_table(manifest["op_histogram"], args.all_ops))
+    if manifest.get("layers"):
+        console.print(_layers_table(manifest["layers"]))
     console.print(_passes_table(manifest["passes"]))
     return 0
 
@@ -50,6 +52,16 @@ def _ops_table(histogram: dict[str, int], show_all: bool) -> Table:
         table.add_row(name, str(count))
     if not show_all and len(items) > 25:
         table.add_row(f"... {len(items) - 25} more (--all-ops)", "")
+    return table
+
+
+def _layers_table(layers: list[dict]) -> Table:
+    """The ops each layer runs, in order (layout-only ops left out); equal layers share a row."""
+    table = Table(title="per layer (ops in order, weight role in parentheses)", title_justify="left")
+    table.add_column("layers")
+    table.add_column("ops")
+    for group in layers:
+        table.add_row(group["name"], ", ".join(group["ops"]))
     return table
 
 

@@ -203,8 +203,9 @@ class BlockManager:
     def take_prefix_hits(self, seq: Sequence, hits: list[int]) -> None:
         """Give a new sequence the cached blocks `hits` (from match_prefix) as the start of its table.
 
-        Records the lookup in `stats` (only admitted lookups count).
+        Records the lookup in `stats` (only admitted lookups count, once each).
         """
+        self._count_collision(seq, len(hits))
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -216,6 +217,18 @@ class BlockManager:
         self.stats.record_lookup(seq.num_tokens, seq.num_computed_tokens,
                                  seq.num_tokens - reusable * self.block_size)
 
+    def _count_collision(self, seq: Sequence, num_hits: int) -> None:
+        """Count a hash collision if the lookup stopped at a cached block whose hash matched but whose
+        tokens differ. (Same tokens after another instance of the parent is a stale chain, not a collision.)
+        """
+        hashes = seq.block_hashes(self)
+        if num_hits >= min(len(hashes), (seq.num_tokens - 1) // self.block_size):
+            return
+        block_id = self.hash_to_block.get(hashes[num_hits])
+        tokens = tuple(seq.token_ids[num_hits * self.block_size:(num_hits + 1) * self.block_size])
+        if block_id is not None and self.blocks[block_id].token_ids != tokens:
+            self.stats.hash_collisions += 1
+
     def match_prefix(self, token_ids: SequenceOf[int], block_hashes: list[int]) -> list[int]:
         """Block ids of the longest cached prefix of `token_ids`, each hit confirmed by its tokens.
 
@@ -224,7 +237,7 @@ class BlockManager:
         token by token and a hash collision never reuses wrong contents. At
         least the last token is always left to compute (its logits are
         needed): a fully cached prompt reuses all but its last block. Changes
-        nothing but the collision counter.
+        nothing (a sequence that does not fit this step looks up again later).
         """
         reusable = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
@@ -236,7 +249,6 @@ class BlockManager:
             block = self.blocks[block_id]
             tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
             if block.token_ids != tokens or block.parent_cache_id != parent_cache_id:
-                self.stats.hash_collisions += 1
                 break
             hits.append(block_id)
             parent_cache_id = block.cache_id

@@ -25,9 +25,11 @@ class AddedPrompt:
     request_id: str
     prompt_text: str | None
     prompt_token_ids: list[int]
+    first_token_text: str = ""  # for echo with logprobs: no logprob scores the first prompt token
 
 
-def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request (OpenAI defaults where a field is absent); bad values -> 400."""
     options = {
         "n": fields.n,
@@ -47,6 +49,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: in
         "skip_special_tokens": fields.skip_special_tokens,
         "include_stop_str_in_output": fields.include_stop_str_in_output,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     options = {name: value for name, value in options.items() if value is not None}
     try:
@@ -90,7 +93,8 @@ def add_prompts(engine: LLMEngine, request_ids: list[str], prompts: list[Prompt]
         for request_id, prompt, token_ids, max_tokens in zip(request_ids, prompts, encoded, limits, strict=True):
             request_params = params if max_tokens == params.max_tokens else params.clone(max_tokens=max_tokens)
             engine.add_request(token_ids, request_params, request_id=request_id)
-            added.append(AddedPrompt(request_id, _prompt_text(engine, prompt, want_text), token_ids))
+            first_text = engine.tokenizer.decode(token_ids[:1]) if want_text else ""
+            added.append(AddedPrompt(request_id, _prompt_text(engine, prompt, want_text), token_ids, first_text))
     except BaseException:
         for item in added:
             engine.abort_request(item.request_id)

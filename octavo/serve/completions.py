@@ -30,10 +30,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     context.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                       param="echo")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    # echo with logprobs scores the prompt too (vLLM's prompt_logprobs).
+    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
     prompts = body.prompt_list()
     if not prompts:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -72,7 +70,8 @@ class CompletionWriter:
             for completion in output.outputs:
                 index = prompt_index * self.n + completion.index
                 text = self._prompt_text(prompt_index) + completion.text
-                choices.append(self._choice(index, text, completion, completion.token_ids))
+                choices.append(self._choice(index, text, completion, completion.token_ids, 0,
+                                            self._echoed(prompt_index, output)))
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
 
@@ -80,7 +79,7 @@ class CompletionWriter:
         while not self.generation.finished:
             prompt_index, output = await self.generation.next_output()
             for completion in output.outputs:
-                choice = self._stream_choice(prompt_index, completion)
+                choice = self._stream_choice(prompt_index, completion, output)
                 if choice is not None:
                     yield self._envelope([choice])
         if self.include_usage:
@@ -93,7 +92,7 @@ class CompletionWriter:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def _stream_choice(self, prompt_index: int, completion: CompletionOutput) -> dict | None:
+    def _stream_choice(self, prompt_index: int, completion: CompletionOutput, output: RequestOutput) -> dict | None:
         index = prompt_index * self.n + completion.index
         first = index not in self._sent_tokens
         start = self._sent_tokens.get(index, 0)
@@ -103,15 +102,20 @@ class CompletionWriter:
         if not text and not wants_logprobs and completion.finish_reason is None:
             return None
         self._sent_tokens[index] = len(completion.token_ids)
-        return self._choice(index, text, completion, new_token_ids, start)
+        echoed = self._echoed(prompt_index, output) if first else None
+        return self._choice(index, text, completion, new_token_ids, start, echoed)
 
     def _choice(self, index: int, text: str, completion: CompletionOutput, token_ids: list[int],
-                start: int = 0) -> dict:
+                start: int = 0, echoed: tuple[list, list[int], str] | None = None) -> dict:
         logprobs = None
         if self.num_top is not None:
             entries = completion.logprobs[start:start + len(token_ids)]
-            logprobs, self._text_offsets[index] = completion_logprobs(entries, token_ids, self.num_top,
-                                                                      self._text_offsets.get(index, 0))
+            unscored_text = ""
+            if echoed is not None:
+                prompt_entries, prompt_token_ids, unscored_text = echoed
+                entries, token_ids = prompt_entries + entries, prompt_token_ids + token_ids
+            logprobs, self._text_offsets[index] = completion_logprobs(
+                entries, token_ids, self.num_top, self._text_offsets.get(index, 0), unscored_text)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
@@ -121,6 +125,13 @@ class CompletionWriter:
         if self.include_usage:
             chunk["usage"] = usage
         return chunk
+
+    def _echoed(self, prompt_index: int, output: RequestOutput) -> tuple[list, list[int], str] | None:
+        """(prompt logprob entries, prompt token ids, first token's text) when echo asks for logprobs."""
+        if not (self.echo and self.num_top is not None):
+            return None
+        added = self.generation.added[prompt_index]
+        return list(output.prompt_logprobs or []), added.prompt_token_ids, added.first_token_text
 
     def _prompt_text(self, prompt_index: int) -> str:
         return (self.generation.added[prompt_index].prompt_text or "") if self.echo else ""

@@ -25,15 +25,24 @@ def top_entries(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logp
     return ranked[:num_top]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int,
-                        text_offset: int) -> tuple[dict, int]:
+def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], num_top: int,
+                        text_offset: int, unscored_text: str = "") -> tuple[dict, int]:
     """The completions `logprobs` object for these tokens, and the text offset after them.
 
     `top_logprobs[i]` maps token text -> logprob for the `num_top` most likely tokens and the sampled
-    one (as vLLM answers, so `logprobs: 0` still shows the sampled token).
+    one (as vLLM answers, so `logprobs: 0` still shows the sampled token). An entry of None is a
+    token nothing scored (an echoed prompt's first token): its text is `unscored_text`, and its
+    logprob and top_logprobs are null, as OpenAI answers.
     """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            tokens.append(unscored_text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            offsets.append(text_offset)
+            text_offset += len(unscored_text)
+            continue
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
         tokens.append(text)

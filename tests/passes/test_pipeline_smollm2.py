@@ -9,6 +9,7 @@ import torch
 
 from octavo.codegen.artifact import GRAPH, MANIFEST
 from octavo.ir.onnx_io import import_graph_from_onnx
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +86,22 @@ def test_pass_history_records_matches_and_node_counts(manifest):
     after_fusion = history["fuse_pointwise"]["nodes_after"]
     assert after_fusion == manifest["node_count"]
     assert after_fusion < 0.7 * before_fusion, (before_fusion, after_fusion)
+
+
+def test_inspect_shows_the_per_layer_structure(manifest, smollm2_fp32_artifact):
+    per_layer = ["aten.linear(self_attn_qkv_proj)", "octavo.rotary_embedding", "octavo.paged_attention",
+                 "aten.linear(self_attn_o_proj)", "octavo.fused_add_rms_norm(post_attention_layernorm)",
+                 "aten.linear(mlp_gate_up_proj)", "octavo.silu_and_mul", "aten.linear(mlp_down_proj)"]
+    assert manifest["layers"] == [
+        {"name": "embedding", "ops": ["aten.embedding(embed_tokens)"]},
+        {"name": "layer 0", "ops": ["octavo.rms_norm(input_layernorm)", *per_layer]},
+        {"name": f"layers 1-{LAYERS - 1}", "ops": ["octavo.fused_add_rms_norm(input_layernorm)", *per_layer]},
+        {"name": "final", "ops": ["octavo.fused_add_rms_norm(norm)", "aten.index_select",
+                                  "aten.linear(embed_tokens)"]},  # tied: the lm_head is the embedding
+    ]
+    result = run_cli("inspect", str(smollm2_fp32_artifact))
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
+            if line.startswith("│") and line.count("│") == 3}
+    assert rows[f"layers 1-{LAYERS - 1}"].startswith("octavo.fused_add_rms_norm(input_layernorm), aten.linear(")
+    assert rows["layer 0"].startswith("octavo.rms_norm(input_layernorm), ")

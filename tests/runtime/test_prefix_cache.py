@@ -97,6 +97,9 @@ def test_a_block_whose_parent_collided_is_not_reused():
     compute(manager, first)
     after_x = make_sequence("b", x + y + [0])
     assert hits_for(manager, after_x) == [], "X' must not be reused for X"
+    assert hits_for(manager, after_x) == []
+    assert manager.stats.hash_collisions == 0, "looking up changes nothing; admission counts"
+    manager.take_prefix_hits(after_x, [])
     assert manager.stats.hash_collisions == 1
     compute(manager, after_x)
     # Y's K/V in after_x was computed after X: reusing it after X' would be wrong.

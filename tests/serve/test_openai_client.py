@@ -58,6 +58,31 @@ def test_completion_logprobs_equal_offline(client, tiny_server, tiny_offline):
         assert max(alternatives.values()) == pytest.approx(logprobs.token_logprobs[position])  # greedy
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_offline_prompt_logprobs(client, tiny_server, tiny_offline, stream):
+    response = client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                         logprobs=2, echo=True, stream=stream)
+    chunks = list(response) if stream else [response]
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    tokens, token_logprobs = [], []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            token_logprobs += chunk.choices[0].logprobs.token_logprobs
+    expected = tiny_offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                            prompt_logprobs=2))[0]
+    prompt_ids = expected.prompt_token_ids
+    assert text == PROMPT + expected.outputs[0].text
+    assert len(tokens) == len(prompt_ids) + 4
+    assert token_logprobs[0] is None, "nothing scores the first prompt token"
+    for position in range(1, len(prompt_ids)):
+        entry = expected.prompt_logprobs[position][prompt_ids[position]]
+        assert token_logprobs[position] == pytest.approx(entry.logprob, abs=1e-5)
+    generated = expected.outputs[0]
+    for offset, (token_id, entry) in enumerate(zip(generated.token_ids, generated.logprobs, strict=True)):
+        assert token_logprobs[len(prompt_ids) + offset] == pytest.approx(entry[token_id].logprob, abs=1e-5)
+
+
 def test_chat_logprobs(client, tiny_server):
     response = client.chat.completions.create(model=tiny_server.model, messages=MESSAGES, max_tokens=5,
                                               temperature=0, logprobs=True, top_logprobs=2)

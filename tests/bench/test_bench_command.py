@@ -1,0 +1,96 @@
+"""`octavo bench` offline, run as a user runs it, on a tiny random-weight Llama with a 1024-token context.
+
+Each comparison runs the same requests twice in one process; greedy outputs must be identical on both
+sides, and the printed figures must say what the comparison is about (cache hits, preemptions).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from octavo.compiler import compile_model
+from octavo.config import CompileConfig
+from tests.conftest import run_cli
+from tests.tiny_models import tiny_config
+
+FUSION_PASSES = "fuse_rms_norm,fuse_add_rms_norm,fuse_qkv,fuse_gate_up,fuse_activation,fuse_rope,fuse_pointwise"
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory, tokenizer_dir) -> Path:
+    """The tiny Llama with room for every workload (prompt + output up to 640 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.08)
+    directory = tmp_path_factory.mktemp("tiny-long")
+    model.save_pretrained(directory)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def long_context_artifact(long_context_model, tmp_path_factory) -> Path:
+    return compile_model(long_context_model, tmp_path_factory.mktemp("tiny-long-artifact") / "artifact")
+
+
+def bench(*args: str) -> str:
+    result = run_cli("bench", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def engine_line(output: str, engine: str) -> str:
+    return next(line for line in output.splitlines() if line.strip().startswith(f"{engine} "))
+
+
+def identical(output: str) -> tuple[int, int]:
+    same, total = re.search(r"identical greedy outputs (\d+)/(\d+)", output).groups()
+    return int(same), int(total)
+
+
+def test_single_versus_hugging_face(long_context_artifact):
+    output = bench(str(long_context_artifact), "--workload", "single", "--vs", "hf")
+    assert "octavo single: 1 req, 256 prompt + 128 output tokens" in engine_line(output, "octavo")
+    assert "hf single: 1 req, 256 prompt + 128 output tokens" in engine_line(output, "hf")
+    assert re.search(r"ratio single: octavo/hf output tok/s = \d+\.\d\dx", output)
+    assert identical(output) == (1, 1)
+
+
+def test_shared_prefix_hits_the_cache_and_changes_no_output(long_context_artifact):
+    output = bench(str(long_context_artifact), "--workload", "shared_prefix", "--num-requests", "6",
+                   "--vs", "no-prefix-caching")
+    cached, uncached = engine_line(output, "octavo"), engine_line(output, "no-prefix-caching")
+    # 5 of the 6 requests reuse the 384-token prefix (24 blocks of 16).
+    assert int(re.search(r"prefix-cache hit tokens (\d+)", cached).group(1)) >= 5 * 384
+    assert "prefix-cache hit tokens 0" in uncached
+    assert identical(output) == (6, 6)
+
+
+def test_a_quarter_of_the_pool_preempts_and_changes_no_output(long_context_artifact):
+    output = bench(str(long_context_artifact), "--workload", "throughput", "--num-requests", "8",
+                   "--kv-pool-fraction", "0.25", "--vs", "full-pool")
+    assert "= 25% of the" in output.splitlines()[0]
+    assert int(re.search(r"preemptions (\d+)", engine_line(output, "octavo")).group(1)) > 0
+    assert "preemptions 0" in engine_line(output, "full-pool")
+    assert identical(output) == (8, 8)
+
+
+def test_fused_versus_unfused_artifact(long_context_model, long_context_artifact, tmp_path):
+    unfused = compile_model(long_context_model, tmp_path / "unfused",
+                            CompileConfig(disabled_passes=tuple(FUSION_PASSES.split(","))))
+    output = bench(str(long_context_artifact), "--workload", "single", "--vs-artifact", str(unfused))
+    assert f"octavo[{unfused}] single: 1 req" in output
+    assert identical(output) == (1, 1)
