@@ -1,4 +1,4 @@
-"""Torch (CPU) kernel for octavo.paged_attention: batched decode, per-sequence SDPA for prefill."""
+"""Torch (CPU) kernel for octavo.paged_attention: batched (cascade) decode, per-sequence SDPA for prefill."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
 
     Sequences with one query token (decodes) are computed together: their
     contexts are gathered into one padded [B, L, Hkv, D] tensor and
-    attended with a length mask. Sequences with several query tokens
+    attended with a length mask; leading blocks that all of them share
+    (prefix caching) are read once instead (cascade attention, see
+    _cascade_decode_attention). Sequences with several query tokens
     (prefill chunks, speculative verification) each run one SDPA call
     over their gathered context.
     """
@@ -79,8 +81,18 @@ def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Ten
 
 def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                       seq_lens: Tensor, scale: float, sliding_window: int) -> Tensor:
+    """Attention of one query token per sequence (query [B, Hq, D]) over its whole context: [B, Hq, D].
+
+    When at least two sequences share leading full blocks (prefix caching) and there is no sliding
+    window, cascade attention reads the shared blocks once; otherwise every context is gathered padded.
+    """
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if batch >= 2 and sliding_window <= 0:
+        shared_blocks = shared_prefix_blocks(block_tables, seq_lens, block_size)
+        if shared_blocks:
+            return _cascade_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                             shared_blocks)
     lengths = seq_lens.long().view(batch, 1)
     positions = torch.arange(int(lengths.max()), device=query.device).view(1, -1)
     written = positions < lengths
@@ -101,3 +113,77 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed.view(batch, 1, 1, -1),
                                          scale=scale)
     return out.reshape(batch, num_heads, -1)
+
+
+def shared_prefix_blocks(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> int:
+    """How many leading blocks all sequences of a decode batch share, for cascade attention.
+
+    The largest n such that columns 0..n-1 of `block_tables` hold the same block id in every row and
+    ``n * block_size <= min(seq_lens) - 1``: the shared blocks are full in every sequence and each
+    sequence keeps at least its newest token as its own suffix. Only columns within that limit are
+    compared, so table entries past a sequence's blocks are never read. 0 when nothing is shared.
+    """
+    limit = (int(seq_lens.min()) - 1) // block_size
+    if limit <= 0:
+        return 0
+    columns = block_tables[:, :limit]
+    same = (columns == columns[:1]).all(0)
+    # Length of the leading run of shared columns: a later match after a mismatch is no common prefix.
+    return int(same.int().cumprod(0).sum())
+
+
+def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                              seq_lens: Tensor, scale: float, shared_blocks: int) -> Tensor:
+    """Decode attention that reads the blocks all sequences share only once (cascade attention).
+
+    Requires ``block_tables[:, :shared_blocks]`` equal in every row and ``shared_blocks * block_size``
+    below every seq_len (as shared_prefix_blocks guarantees). Equals plain causal attention of each
+    query over its sequence's whole context: the shared prefix (attended by all B*Hq queries in one
+    matmul per kv head) and each sequence's own suffix are attended separately in float32 and merged
+    by their maxima and exp-sums, which is exact since a softmax over the union of two key sets is the
+    two partial softmaxes reweighted by their shares of the total mass. Returns [B, Hq, D].
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # [B, Hkv, G, D]: query head h reads kv head h // G.
+    grouped = query.view(batch, num_kv_heads, group, head_dim).float()
+
+    prefix_blocks = block_tables[0, :shared_blocks].long()
+    prefix_keys = key_cache[prefix_blocks].flatten(0, 1).permute(1, 2, 0).float()  # [Hkv, D, P]
+    prefix_values = value_cache[prefix_blocks].flatten(0, 1).transpose(0, 1).float()  # [Hkv, P, Dv]
+    prefix_queries = grouped.transpose(0, 1).reshape(num_kv_heads, batch * group, head_dim)
+    prefix_parts = _partial_attention(torch.matmul(prefix_queries, prefix_keys) * scale, prefix_values)
+    # Back from [Hkv, B*G, n] to the suffix's [B, Hkv, G, n].
+    prefix_max, prefix_sum, prefix_out = (part.view(num_kv_heads, batch, group, -1).transpose(0, 1)
+                                          for part in prefix_parts)
+
+    lengths = seq_lens.long().view(batch, 1)
+    positions = torch.arange(shared_blocks * block_size, int(lengths.max()), device=query.device).view(1, -1)
+    written = positions < lengths
+    # Past a sequence's end (padding to the longest suffix) read its newest token's slot: written, so
+    # finite (unwritten slots may hold NaN bit patterns), and masked below; no table entry past a
+    # sequence's blocks is read.
+    read_positions = torch.minimum(positions, lengths - 1)
+    blocks = block_tables.long().gather(1, read_positions // block_size)
+    slots = blocks * block_size + read_positions % block_size
+    suffix_keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].permute(0, 2, 3, 1).float()  # [B, Hkv, D, S]
+    suffix_values = value_cache.view(-1, *value_cache.shape[2:])[slots].transpose(1, 2).float()  # [B, Hkv, S, Dv]
+    suffix_scores = (torch.matmul(grouped, suffix_keys) * scale).masked_fill(~written.view(batch, 1, 1, -1),
+                                                                            float("-inf"))
+    suffix_max, suffix_sum, suffix_out = _partial_attention(suffix_scores, suffix_values)
+
+    # Both sides have a finite maximum (each has at least one key), so the weights are well defined.
+    merged_max = torch.maximum(prefix_max, suffix_max)
+    prefix_weight, suffix_weight = torch.exp(prefix_max - merged_max), torch.exp(suffix_max - merged_max)
+    out = ((prefix_out * prefix_weight + suffix_out * suffix_weight)
+           / (prefix_sum * prefix_weight + suffix_sum * suffix_weight))
+    return out.reshape(batch, num_heads, -1).to(query.dtype)
+
+
+def _partial_attention(scores: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unnormalized attention over one part of the keys: (m, l, o) with m = max score per row,
+    l = sum of exp(score - m), o = exp(score - m) @ values; m and l keep a trailing dim of size 1."""
+    row_max = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - row_max)
+    return row_max, weights.sum(-1, keepdim=True), torch.matmul(weights, values)
