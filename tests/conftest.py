@@ -14,6 +14,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
+# kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
+if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(2)
 
 

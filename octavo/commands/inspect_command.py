@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"graph    {manifest['node_count']} nodes")
     console.print(_ops_table(manifest["op_histogram"], args.all_ops))
     if manifest.get("layers"):
-        console.print(_layers_table(manifest["layers"]))
+        _print_layers(manifest["layers"])
     console.print(_passes_table(manifest["passes"]))
     return 0
 
@@ -55,14 +55,16 @@ def _ops_table(histogram: dict[str, int], show_all: bool) -> Table:
     return table
 
 
-def _layers_table(layers: list[dict]) -> Table:
-    """The ops each layer runs, in order (layout-only ops left out); equal layers share a row."""
-    table = Table(title="per layer (ops in order, weight role in parentheses)", title_justify="left")
-    table.add_column("layers")
-    table.add_column("ops")
+def _print_layers(layers: list[dict]) -> None:
+    """The ops each layer runs, in order (layout-only ops left out); equal layers share a line.
+
+    Plain lines rather than a table: a layer's op list is long, and one line per group keeps it
+    greppable whatever the terminal width.
+    """
+    console.print("per layer (ops in order, weight role in parentheses)")
+    width = max(len(group["name"]) for group in layers)
     for group in layers:
-        table.add_row(group["name"], ", ".join(group["ops"]))
-    return table
+        console.print(f"  {group['name']:<{width}}  {', '.join(group['ops'])}", markup=False)
 
 
 def _passes_table(passes: list[dict]) -> Table:

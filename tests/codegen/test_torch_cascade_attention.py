@@ -3,7 +3,8 @@
 Decode batches here are built the way prefix caching leaves them: several
 sequences' block tables start with the same physical blocks, which hold the
 common prefix's keys and values once. The kernel must take the cascade path
-on them (shared_prefix_blocks > 0) and still give the reference op's output,
+on them (shared_prefix_blocks > 0; float32 only, reduced precision keeps the
+single SDPA pass) and still give the reference op's output,
 also when the pool holds garbage where no sequence wrote and when unused
 block-table entries hold garbage.
 """
@@ -18,7 +19,12 @@ import torch
 import octavo.ir.ops  # noqa: F401  (registers octavo::paged_attention)
 from octavo.codegen.torch_backend.attention import paged_attention as torch_kernel
 from octavo.codegen.torch_backend.attention import shared_prefix_blocks
-from tests.codegen.test_torch_attention import BLOCK_SIZE, assert_kernel_matches_reference, copy_batch, reference_op
+from tests.codegen.test_torch_attention import (
+    BLOCK_SIZE,
+    assert_kernel_matches_reference,
+    copy_batch,
+    reference_op,
+)
 
 
 def make_shared_decode_batch(lengths: list[int], shared: list[int], num_heads: int, num_kv_heads: int,
@@ -165,3 +171,34 @@ def test_unused_block_table_entries_are_not_read(garbage, scenario):
 def test_shared_prefix_blocks(table, lengths, expected):
     block_tables = torch.tensor(table, dtype=torch.int32)
     assert shared_prefix_blocks(block_tables, torch.tensor(lengths, dtype=torch.int32), BLOCK_SIZE) == expected
+
+
+def unshared_copy(batch: dict, num_shared: int) -> dict:
+    """The same batch with every row but the first reading private copies of the shared blocks."""
+    copied = copy_batch(batch)
+    rows = copied["block_tables"].shape[0]
+    shared_ids = copied["block_tables"][0, :num_shared].long()
+    for name in ("key_cache", "value_cache"):
+        copied[name] = torch.cat([copied[name]] + [copied[name][shared_ids]] * (rows - 1))
+    first_new = batch["key_cache"].shape[0]
+    for row in range(1, rows):
+        start = first_new + (row - 1) * num_shared
+        copied["block_tables"][row, :num_shared] = torch.arange(start, start + num_shared, dtype=torch.int32)
+    return copied
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_results_do_not_depend_on_block_sharing(dtype):
+    """bf16/fp16 keep the single SDPA pass (Hugging Face's kernel): sharing blocks changes no bit there."""
+    lengths, shared, expected_shared = SCENARIOS["several_blocks"]
+    batch = make_shared_decode_batch(lengths, shared, 6, 2, head_dim=64, dtype=dtype, seed=3)
+    private = unshared_copy(batch, expected_shared)
+    assert shared_prefix_blocks(private["block_tables"], private["seq_lens"], BLOCK_SIZE) == 0
+    assert torch.equal(torch_kernel(**copy_batch(batch)), torch_kernel(**private))
+
+
+def test_float32_cascade_equals_the_unshared_computation_closely():
+    lengths, shared, expected_shared = SCENARIOS["several_blocks"]
+    batch = make_shared_decode_batch(lengths, shared, 6, 2, head_dim=64, seed=3)
+    private = unshared_copy(batch, expected_shared)
+    torch.testing.assert_close(torch_kernel(**copy_batch(batch)), torch_kernel(**private), atol=2e-6, rtol=2e-6)

@@ -83,18 +83,25 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
                       seq_lens: Tensor, scale: float, sliding_window: int) -> Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its whole context: [B, Hq, D].
 
-    When at least two sequences share leading full blocks (prefix caching) and there is no sliding
-    window, cascade attention reads the shared blocks once; otherwise every context is gathered padded.
+    When at least two float32 sequences share leading full blocks (prefix caching) and there is no
+    sliding window, cascade attention reads the shared blocks once; otherwise every context is
+    gathered, padded to the longest (rounded up to whole blocks).
     """
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if batch >= 2 and sliding_window <= 0:
+    # Cascade computes in float32 with its own summation order: exact for float32 queries, but in
+    # bf16/fp16 it rounds differently from the SDPA kernel (which Hugging Face runs too) and flips
+    # near-tied greedy choices, so reduced precision keeps the single SDPA pass.
+    if batch >= 2 and sliding_window <= 0 and query.dtype == torch.float32:
         shared_blocks = shared_prefix_blocks(block_tables, seq_lens, block_size)
         if shared_blocks:
             return _cascade_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                              shared_blocks)
     lengths = seq_lens.long().view(batch, 1)
-    positions = torch.arange(int(lengths.max()), device=query.device).view(1, -1)
+    # Padded to whole blocks: the reduction over keys then has the same blocking whatever the
+    # exact longest length, which keeps bf16 results closest to an unpadded single-sequence SDPA.
+    padded = -(-int(lengths.max()) // block_size) * block_size
+    positions = torch.arange(padded, device=query.device).view(1, -1)
     written = positions < lengths
     # Past a sequence's end (padding to the longest) read its first token's slot instead: a slot it
     # wrote, so finite, and masked below. Unwritten slots may hold NaN bit patterns, which a masked

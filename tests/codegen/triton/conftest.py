@@ -3,7 +3,8 @@
 OCTAVO_TEST_DEVICE selects the device: "cpu" (default) sets TRITON_INTERPRET=1
 before any kernel module is imported (@triton.jit reads it when a kernel is
 defined); "cuda" runs the same tests on the GPU, compiled (scripts/gpu_check.sh).
-Note: TRITON_INTERPRET stays set for the rest of the pytest process.
+tests/conftest.py sets it too, before any test module can import a kernel; it stays set for the
+whole pytest process (the engine's backend "auto" is torch on CPU whatever it says).
 """
 
 from __future__ import annotations
