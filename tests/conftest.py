@@ -21,6 +21,15 @@ if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def smollm2_source():
     """The bundled SmolLM2 model source (config + real tokenizer; weights load on demand)."""

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from octavo.compile_cache import cache_key, cache_root, cached_artifact
 from octavo.config import CompileConfig
@@ -15,6 +14,8 @@ from octavo.frontend.sources import load_model
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def snapshot(path: Path) -> dict[str, int]:
@@ -112,11 +113,3 @@ def test_the_key_follows_the_output_deciding_options_only(model_dir, tmp_path):
                                            print_ir_after=("prune_logits",))) == base
     assert cache_key(source, CompileConfig(disabled_passes=("a", "b"))) == cache_key(
         source, CompileConfig(disabled_passes=("b", "a")))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

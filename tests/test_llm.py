@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import octavo
 from octavo.errors import OctavoError
@@ -11,17 +10,10 @@ from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = "Compilers turn programs into"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a compiler?"}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -62,11 +62,9 @@ class KVMemoryTracker:
         running = engine.scheduler.running
         if not running:
             return
-        size = engine.block_manager.block_size
-        blocks = {block for seq in running for block in seq.block_table}
-        utilization = engine.kv_utilization()
-        self.allocated += len(blocks) * size
-        self.stored += utilization * len(blocks) * size
+        stored, slots = engine.kv_slot_counts()
+        self.allocated += slots
+        self.stored += stored
         self.reserved += len(running) * engine.max_model_len
 
     def summary(self) -> dict[str, str]:

@@ -213,13 +213,18 @@ class LLMEngine:
 
     def kv_utilization(self) -> float:
         """Tokens stored / token slots of the blocks in use (1.0 = no slot allocated but unused)."""
+        stored, slots = self.kv_slot_counts()
+        return stored / slots if slots else 1.0
+
+    def kv_slot_counts(self) -> tuple[int, int]:
+        """(tokens stored, token slots) over the distinct blocks the running sequences hold."""
         filled: dict[int, int] = {}
         size = self.block_manager.block_size
         for seq in self.scheduler.running:
             for index, block_id in enumerate(seq.block_table):
                 stored = min(size, max(0, seq.num_computed_tokens - index * size))
                 filled[block_id] = max(filled.get(block_id, 0), stored)
-        return sum(filled.values()) / (len(filled) * size) if filled else 1.0
+        return sum(filled.values()), len(filled) * size
 
     # ---- validation ----
 

@@ -50,23 +50,22 @@ def collect_engine_metrics(engine) -> EngineMetrics:
     """Read the snapshot from `engine.scheduler` and `engine.block_manager`.
 
     Call it from the thread that owns the engine: the queues are read without a lock.
-    The prefix-cache fields are read when the block manager has them (0 otherwise).
     """
     scheduler = engine.scheduler
     manager = engine.block_manager
     total = manager.num_blocks
     used = manager.num_used_blocks
-    cached = int(getattr(manager, "num_cached_blocks", 0))
+    cached = manager.num_cached_blocks
     return EngineMetrics(
         num_running=len({seq.request_id for seq in scheduler.running}),
         num_waiting=len({seq.request_id for seq in scheduler.waiting}),
-        num_swapped=len({seq.request_id for seq in getattr(scheduler, "swapped", ())}),
+        num_swapped=len({seq.request_id for seq in scheduler.swapped}),
         kv_blocks_total=total,
         kv_blocks_used=used,
         kv_blocks_free=total - used,
         kv_blocks_cached=cached,
         kv_usage=used / total if total else 0.0,
         num_preemptions=scheduler.num_preemptions,
-        prefix_cache_queries_tokens=int(getattr(manager, "prefix_cache_queries_tokens", 0)),
-        prefix_cache_hits_tokens=int(getattr(manager, "prefix_cache_hits_tokens", 0)),
+        prefix_cache_queries_tokens=manager.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=manager.prefix_cache_hits_tokens,
     )

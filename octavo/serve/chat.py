@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.serve.admission import add_prompts, render_chat, sampling_params
@@ -18,7 +18,7 @@ from octavo.serve.context import Generation, ServerContext
 from octavo.serve.errors import APIError
 from octavo.serve.logprobs import chat_logprobs
 from octavo.serve.protocol import ChatCompletionRequest
-from octavo.serve.sse import ClientDisconnectedError, event_stream, until_disconnect
+from octavo.serve.sse import respond
 
 router = APIRouter()
 
@@ -40,15 +40,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     generation = await context.admit(1, params.n, add, arrival)
     writer = ChatWriter(context, generation, body, num_top)
-    if body.stream:
-        return event_stream(generation, writer.chunks)
-    try:
-        finals = await until_disconnect(request, generation.final_outputs())
-    except ClientDisconnectedError:
-        return Response(status_code=499)
-    finally:
-        generation.close()
-    return JSONResponse(writer.response(finals[0]))
+    return await respond(request, generation, bool(body.stream), writer.chunks,
+                         lambda finals: writer.response(finals[0]))
 
 
 class ChatWriter:

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.serve.admission import add_prompts, sampling_params
@@ -18,7 +18,7 @@ from octavo.serve.context import Generation, ServerContext
 from octavo.serve.errors import APIError
 from octavo.serve.logprobs import completion_logprobs
 from octavo.serve.protocol import CompletionRequest
-from octavo.serve.sse import ClientDisconnectedError, event_stream, until_disconnect
+from octavo.serve.sse import respond
 
 router = APIRouter()
 
@@ -38,15 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generation = await context.admit(
         len(prompts), params.n, lambda engine, ids: add_prompts(engine, ids, prompts, params, body.echo), arrival)
     writer = CompletionWriter(context, generation, body, params.n)
-    if body.stream:
-        return event_stream(generation, writer.chunks)
-    try:
-        finals = await until_disconnect(request, generation.final_outputs())
-    except ClientDisconnectedError:
-        return Response(status_code=499)
-    finally:
-        generation.close()
-    return JSONResponse(writer.response(finals))
+    return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
 
 class CompletionWriter:

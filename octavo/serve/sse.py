@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
@@ -80,3 +81,18 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def respond(request: Request, generation: Generation, stream: bool,
+                  chunks: Callable[[], AsyncIterator[dict]], body: Callable[[list], dict]) -> Response:
+    """The endpoint's answer: SSE of `chunks()` when streaming; otherwise `body(final outputs)` as JSON,
+    or 499 when the client disconnects first (its requests are aborted when the generation closes)."""
+    if stream:
+        return event_stream(generation, chunks)
+    try:
+        finals = await until_disconnect(request, generation.final_outputs())
+    except ClientDisconnectedError:
+        return Response(status_code=499)
+    finally:
+        generation.close()
+    return JSONResponse(body(finals))

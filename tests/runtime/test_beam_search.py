@@ -16,37 +16,14 @@ import random
 import pytest
 import torch
 
-from octavo.config import EngineConfig
 from octavo.llm import LLM
 from octavo.runtime.beam_search import BeamSearchParams, beam_search
-from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import make_engine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32,
-                                                 attn_implementation="eager")
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +84,6 @@ def assert_matches(outputs, expected_per_prompt) -> None:
         assert [hypothesis.tokens for hypothesis in output.sequences] == [tokens for tokens, _ in expected]
         for hypothesis, (_, cum_logprob) in zip(output.sequences, expected, strict=True):
             assert abs(hypothesis.cum_logprob - cum_logprob) <= TOLERANCE
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
 
 
 @pytest.mark.parametrize("length_penalty", [1.0, 0.3])

@@ -11,53 +11,17 @@ import random
 from collections import defaultdict
 
 import pytest
-import torch
 
-from octavo.config import EngineConfig
 from octavo.errors import RequestError
-from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
-from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import greedy, make_engine, run_to_completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT_LENGTHS = [3, 17, 40, 9, 25, 60]
 MAX_TOKENS = [20, 12, 16, 24, 8, 14]
 TEXT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    """The tiny llama artifact, loaded once: engines share the loaded graph and weights, each has its own cache."""
-    return load_artifact(tiny_artifact("llama"))
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
-    """Step until idle; the last output of every request, by id."""
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return finals
-
-
-def greedy(max_tokens: int, **extra) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
 
 
 @pytest.fixture(scope="module")

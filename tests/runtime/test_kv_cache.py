@@ -11,9 +11,10 @@ from octavo.config import EngineConfig
 from octavo.errors import OctavoError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
-from octavo.runtime.loader import load_artifact
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYOUT = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 5, "block_size": 4, "cache_dtype": "float32",
           "cache_inputs": [[f"key_cache_{layer}", f"value_cache_{layer}"] for layer in range(3)]}
@@ -101,20 +102,6 @@ def test_pool_size_from_a_memory_budget():
 
 
 # ---- the engine's pool ----
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
 
 def test_kv_cache_memory_gives_the_expected_number_of_blocks(artifact, caplog):
     assert bytes_per_block(artifact.manifest["kv_layout"]) == TINY_BYTES_PER_BLOCK

@@ -12,44 +12,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from octavo.config import EngineConfig
-from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
-from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import make_engine, run_to_completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEED = 2024
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return finals
 
 
 def sampling(n: int, seed: int, max_tokens: int = 12) -> SamplingParams:

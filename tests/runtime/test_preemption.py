@@ -11,56 +11,20 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from octavo.config import EngineConfig
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.host_pool import HostBlockPool
-from octavo.runtime.loader import load_artifact
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import greedy, make_engine, random_tokens, run_to_completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 16  # the tiny artifact's block size
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return finals
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 49000) for _ in range(length)]
 
 
 # ---- scheduler level: a sequence preempted in the step that copied its shared block ----
@@ -143,10 +107,10 @@ def test_recompute_victim_leaves_no_copy_behind():
 def workload() -> list[tuple[list[int], SamplingParams]]:
     """Greedy prompts (some sharing a 40-token prefix) and a seeded n=3 sampling request."""
     rng = random.Random(7)
-    shared = random_prompt(rng, 40)
-    requests = [(random_prompt(rng, length), greedy(tokens)) for length, tokens in [(30, 20), (9, 24), (50, 12)]]
-    requests += [(shared + random_prompt(rng, 5), greedy(16)), (shared + random_prompt(rng, 12), greedy(18))]
-    requests.append((random_prompt(rng, 21), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=14,
+    shared = random_tokens(rng, 40)
+    requests = [(random_tokens(rng, length), greedy(tokens)) for length, tokens in [(30, 20), (9, 24), (50, 12)]]
+    requests += [(shared + random_tokens(rng, 5), greedy(16)), (shared + random_tokens(rng, 12), greedy(18))]
+    requests.append((random_tokens(rng, 21), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=14,
                                                             ignore_eos=True)))
     return requests
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from octavo.config import EngineConfig
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
-from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import greedy, make_engine, random_tokens, run_to_completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 16  # the tiny artifact's block size
 
@@ -143,42 +142,6 @@ def test_statistics_explain_hits_misses_and_prefixes_shorter_than_a_block():
 
 
 # ---- on the tiny model ----
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return finals
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def random_tokens(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 49000) for _ in range(length)]
-
 
 @pytest.fixture(scope="module")
 def shared_prefix_prompts() -> list[list[int]]:

@@ -10,17 +10,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from octavo.config import EngineConfig
 from octavo.runtime.block_manager import BlockManager
-from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import greedy, make_engine, random_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEXT_TOKEN = 7
 
@@ -87,33 +86,6 @@ def test_among_equal_priorities_the_newest_is_preempted():
 
 # ---- on the tiny model ----
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 49000) for _ in range(length)]
-
-
 def alone(artifact, prompt: list[int], max_tokens: int) -> list[int]:
     engine = make_engine(artifact)
     engine.add_request(prompt, greedy(max_tokens), request_id="alone")
@@ -128,7 +100,7 @@ def test_engine_admits_by_priority(artifact):
     rng = random.Random(2)
     engine = make_engine(artifact, max_num_seqs=1)
     for name, priority in [("background", 3), ("normal", 1), ("urgent", 0)]:
-        engine.add_request(random_prompt(rng, 6), greedy(2), request_id=name, priority=priority)
+        engine.add_request(random_tokens(rng, 6), greedy(2), request_id=name, priority=priority)
     order = []
     while engine.has_unfinished_requests():
         order += [output.request_id for output in engine.step() if output.finished]
@@ -139,15 +111,15 @@ def test_engine_admits_by_priority(artifact):
 def test_decodes_are_never_starved_by_a_long_prefill_and_the_limits_hold(artifact):
     rng = random.Random(6)
     budget, max_num_seqs, max_model_len = 16, 3, 120
-    short = [random_prompt(rng, 5), random_prompt(rng, 9)]
-    long_prompt = random_prompt(rng, 100)
+    short = [random_tokens(rng, 5), random_tokens(rng, 9)]
+    long_prompt = random_tokens(rng, 100)
     engine = make_engine(artifact, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len)
     for index, prompt in enumerate(short):
         engine.add_request(prompt, greedy(30), request_id=f"short{index}")
     engine.step()  # both short prompts prefilled (14 tokens)
     engine.add_request(long_prompt, greedy(40), request_id="long")  # 100 + 40 > max_model_len
-    engine.add_request(random_prompt(rng, 4), greedy(3), request_id="fourth")  # waits: max_num_seqs
+    engine.add_request(random_tokens(rng, 4), greedy(3), request_id="fourth")  # waits: max_num_seqs
     long_seq = engine.requests["long"].sequences[0]
     finals: dict[str, RequestOutput] = {}
     chunks = []

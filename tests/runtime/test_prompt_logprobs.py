@@ -13,38 +13,15 @@ import random
 import pytest
 import torch
 
-from octavo.config import EngineConfig
-from octavo.runtime.engine import LLMEngine
-from octavo.runtime.loader import load_artifact
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+from tests.runtime.engine_helpers import make_engine, run_to_completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-4
 NUM_TOP = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_artifact):
-    return load_artifact(tiny_artifact("llama"))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32,
-                                                 attn_implementation="eager")
-    return model.eval()
 
 
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
@@ -58,20 +35,6 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 def prompt() -> list[int]:
     rng = random.Random(17)
     return [rng.randrange(3, 49000) for _ in range(37)]
-
-
-def make_engine(artifact, **options) -> LLMEngine:
-    options.setdefault("num_kv_blocks", 64)
-    return LLMEngine(artifact, EngineConfig(**options))
-
-
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    return finals
 
 
 def check_entry(entry: dict, token: int, reference: torch.Tensor, num_top: int) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from octavo.codegen.triton_backend.availability import interpreting
 
-_LOG2_E = 1.4426950408889634
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, bloc
         query, key_cache, value_cache, output,
         block_tables, seq_lens, query_start_loc,
         *query.stride(), *output.stride(), *key_cache.stride(), block_tables.stride(0),
-        scale * _LOG2_E, sliding_window, head_dim, group_size, key_cache.shape[1],
+        scale * LOG2_E, sliding_window, head_dim, group_size, key_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(query),
     )

@@ -22,10 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from octavo.codegen.triton_backend.attention_decode import dot_precision
+from octavo.codegen.triton_backend.attention_decode import LOG2_E, dot_precision
 from octavo.codegen.triton_backend.availability import interpreting
-
-_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -130,7 +128,7 @@ def prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
         query, key_cache, value_cache, output,
         block_tables, seq_lens, query_start_loc,
         *query.stride(), *output.stride(), *key_cache.stride(), block_tables.stride(0),
-        scale * _LOG2_E, sliding_window, head_dim, num_heads // key_cache.shape[2], key_cache.shape[1], num_seqs,
+        scale * LOG2_E, sliding_window, head_dim, num_heads // key_cache.shape[2], key_cache.shape[1], num_seqs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(query),
     )
