@@ -79,25 +79,19 @@ def served_model(url: str, api_key: str | None = None) -> dict:
 
 
 def online_prompts(workload: Workload, card: dict, artifact: str | None = None) -> list[list[int]]:
-    """The workload's prompts for the served model.
-
-    With the served `artifact` at hand its special tokens are left out, as `octavo bench ARTIFACT`
-    does, so both benchmarks send the same prompts; without it, any id below the server's
-    `vocab_size` may be drawn.
-    """
-    special: set[int] = set()
+    """The workload's prompts for the served model, whose vocabulary size comes from the server's model
+    card or, when it does not say, from the served `artifact`'s tokenizer. The ids are the ones
+    `octavo bench ARTIFACT` sends for the same workload."""
     vocab_size = card.get("vocab_size")
-    if artifact is not None:
+    if vocab_size is None and artifact is not None:
         from transformers import AutoTokenizer
 
         from octavo.codegen.artifact import TOKENIZER_DIR
 
-        tokenizer = AutoTokenizer.from_pretrained(Path(artifact) / TOKENIZER_DIR, local_files_only=True)
-        special = set(tokenizer.all_special_ids)
-        vocab_size = vocab_size or len(tokenizer)
+        vocab_size = len(AutoTokenizer.from_pretrained(Path(artifact) / TOKENIZER_DIR, local_files_only=True))
     if vocab_size is None:
         raise OctavoError("the server does not say its vocab_size: pass the ARTIFACT it serves")
-    return workload.prompts(vocab_size, special)
+    return workload.prompts(vocab_size)
 
 
 async def run_online(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,

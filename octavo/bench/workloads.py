@@ -1,13 +1,19 @@
-"""Benchmark workloads, read from benchmarks/workloads.toml."""
+"""Benchmark workloads, read from benchmarks/workloads.toml, or fixed requests read from a JSON file.
+
+The prompts are drawn exactly as the side-by-side harness of the other engines draws them (Python's
+`random.Random(seed)`: the shared prefix, then per request a length from `randint(min, max)` and
+that many ids from `randrange(token_id_low, token_id_high)`), so that Octavo and every peer run the
+same token ids.
+"""
 
 from __future__ import annotations
 
+import json
+import random
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from octavo.errors import OctavoError
 
@@ -27,19 +33,72 @@ class Workload:
     output_len: int
     seed: int = 0
     shared_prefix_len: int = 0
+    token_id_low: int = 100
+    token_id_high: int = 49000
+    fixed_prompts: tuple[tuple[int, ...], ...] | None = None
 
-    def prompts(self, vocab_size: int, special_ids: set[int] = frozenset()) -> list[list[int]]:
-        """The workload's prompts as token ids (deterministic for a given vocab)."""
-        generator = torch.Generator().manual_seed(self.seed)
-        allowed = torch.tensor([token for token in range(vocab_size) if token not in special_ids])
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        """The workload's prompts as token ids (deterministic; ids below `vocab_size`).
 
-        def draw(count: int) -> list[int]:
-            return allowed[torch.randint(len(allowed), (count,), generator=generator)].tolist()
+        Ids are drawn from [token_id_low, min(token_id_high, vocab_size)): the low ids, where
+        tokenizers keep their special tokens, are left out.
+        """
+        if self.fixed_prompts is not None:
+            return self._checked_fixed_prompts(vocab_size)
+        high = min(self.token_id_high, vocab_size)
+        if high <= self.token_id_low:
+            raise OctavoError(f"workload {self.name}: the vocabulary of {vocab_size} tokens has no id in "
+                              f"[{self.token_id_low}, {self.token_id_high})")
+        rng = random.Random(self.seed)
+        prefix = [rng.randrange(self.token_id_low, high) for _ in range(self.shared_prefix_len)]
+        prompts = []
+        for _ in range(self.num_requests):
+            length = rng.randint(self.prompt_len_min, self.prompt_len_max)
+            prompts.append(prefix + [rng.randrange(self.token_id_low, high) for _ in range(length)])
+        return prompts
 
-        prefix = draw(self.shared_prefix_len)
-        lengths = torch.randint(self.prompt_len_min, self.prompt_len_max + 1, (self.num_requests,),
-                                generator=generator).tolist()
-        return [prefix + draw(length) for length in lengths]
+    def _checked_fixed_prompts(self, vocab_size: int) -> list[list[int]]:
+        prompts = [list(prompt) for prompt in self.fixed_prompts[:self.num_requests]]
+        for index, prompt in enumerate(prompts):
+            bad = [token for token in prompt if not 0 <= token < vocab_size]
+            if bad:
+                raise OctavoError(f"workload {self.name}: request {index} has token id {bad[0]}, outside the "
+                                  f"model's vocabulary of {vocab_size}")
+        return prompts
+
+
+def workload_from_file(path: str | Path) -> Workload:
+    """Fixed requests from a JSON file: a list of {"prompt_token_ids": [...], "max_tokens": N}.
+
+    This is what the side-by-side harness writes (`python workload.py NAME > NAME.json`), so every
+    engine runs the very same requests. All requests must ask for the same max_tokens.
+    """
+    path = Path(path)
+    try:
+        requests = json.loads(path.read_text())
+    except OSError as error:
+        raise OctavoError(f"cannot read {path}: {error.strerror}") from error
+    except ValueError as error:
+        raise OctavoError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(requests, list) or not requests:
+        raise OctavoError(f"{path}: expected a non-empty JSON list of requests")
+    prompts, lengths = [], set()
+    for index, request in enumerate(requests):
+        ids = request.get("prompt_token_ids") if isinstance(request, dict) else None
+        max_tokens = request.get("max_tokens") if isinstance(request, dict) else None
+        if (not isinstance(ids, list) or not ids or not all(isinstance(token, int) for token in ids)
+                or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise OctavoError(f"{path}: request {index} must be {{\"prompt_token_ids\": [ints], "
+                              "\"max_tokens\": positive int}")
+        prompts.append(tuple(ids))
+        lengths.add(max_tokens)
+    if len(lengths) > 1:
+        raise OctavoError(f"{path}: requests ask for different max_tokens {sorted(lengths)}; the benchmark "
+                          "runs one output length per workload")
+    sizes = [len(prompt) for prompt in prompts]
+    return Workload(name=path.stem, description=f"{len(prompts)} requests from {path.name}",
+                    num_requests=len(prompts), prompt_len_min=min(sizes), prompt_len_max=max(sizes),
+                    output_len=lengths.pop(), fixed_prompts=tuple(prompts))
 
 
 def workloads_path() -> Path:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
-from octavo.bench.workloads import get_workload
+from octavo.bench.workloads import get_workload, workload_from_file
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
 from octavo.errors import OctavoError
 from octavo.runtime.engine import LLMEngine
@@ -19,6 +19,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark an artifact on a fixed workload")
     parser.add_argument("artifact", nargs="?", help="artifact directory (with --server: optional, for its tokenizer)")
     parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix")
+    parser.add_argument("--prompts-from", metavar="FILE", default=None,
+                        help="run these requests instead of --workload: a JSON list of {\"prompt_token_ids\": "
+                        "[...], \"max_tokens\": N}, as the side-by-side harness of other engines writes it")
     parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool"], default=None,
                         help="also run a baseline in this process and print the ratio: Hugging Face generate, "
                         "the engine without prefix caching, or the engine with a pool that holds every request")
@@ -38,7 +41,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    workload = get_workload(args.workload)
+    workload = workload_from_file(args.prompts_from) if args.prompts_from else get_workload(args.workload)
     if args.num_requests:
         workload = dataclasses.replace(workload, num_requests=args.num_requests,
                                        description=f"{workload.description}, run with --num-requests "
@@ -56,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
     engine = LLMEngine(artifact, config)
-    special = set(getattr(engine.tokenizer, "all_special_ids", []))
-    prompts = workload.prompts(engine.vocab_size, special)
+    prompts = workload.prompts(engine.vocab_size)
     console.print(f"workload {workload.name}: {workload.description} "
                   f"({config.num_threads} threads, {engine.device}, backend {engine.backend}, "
                   f"KV pool {engine.block_manager.num_blocks} blocks = "
