@@ -60,6 +60,7 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     start = time.perf_counter()
     graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
     timings["passes_s"] = time.perf_counter() - start
+    timings.update({f"shape_propagation_{key}": value for key, value in ctx.propagation_timings.items()})
     if config.stop_after is not None or output_dir is None:
         logger.info("stopped after pass %s: no artifact written", config.stop_after)
         return None

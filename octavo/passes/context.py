@@ -36,6 +36,7 @@ class PassContext:
     history: list[dict] = field(default_factory=list)
     kv_layout: dict | None = None
     runtime_inputs: dict[str, dict] = field(default_factory=dict)
+    propagation_timings: dict[str, float] = field(default_factory=dict)
 
     def symbol(self, name: str) -> torch.SymInt:
         """The SymInt called `name`, created (as a fresh dynamic symbol) on first use."""

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torch.fx import GraphModule
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from tqdm.auto import tqdm
 
 from octavo.errors import OctavoError, PassError
 from octavo.ir.graph import format_graph, op_histogram, verify_graph
 from octavo.passes.context import PassContext
 from octavo.passes.registry import PassInfo, resolve_pipeline
+from octavo.passes.shape_propagation import check_full_propagation, propagate_all, propagate_changed
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +26,17 @@ def run_pipeline(graph_module: GraphModule, ctx: PassContext, pipeline: str | li
     """Run the passes of `pipeline` (minus ctx.config.disabled_passes) in order.
 
     After each pass: lint + op-set check, shape re-propagation with fake
-    tensors, a history record in ctx.history (stats, time, node count, op
-    histogram) and, when ctx.config.dump_dir is set, the dump files
-    NN-<pass>.txt / .json / .diff. Stops after ctx.config.stop_after.
+    tensors of the nodes the pass changed (octavo.passes.shape_propagation),
+    a history record in ctx.history (stats, time, node count, op histogram)
+    and, when ctx.config.dump_dir is set, the dump files NN-<pass>.txt /
+    .json / .diff. After the last pass, one full re-propagation checks every
+    node's shape and dtype. Stops after ctx.config.stop_after.
     """
     passes = resolve_pipeline(pipeline, ctx.config.disabled_passes)
     _check_pass_names(ctx, passes)
+    start = time.perf_counter()
+    propagate_all(graph_module, ctx.fake_mode)
+    ctx.propagation_timings["initial_s"] = round(time.perf_counter() - start, 4)
     dumper = GraphDumper(Path(ctx.config.dump_dir)) if ctx.config.dump_dir else None
     if dumper:
         dumper.write(0, "traced", graph_module, ctx, {"description": "the graph as torch.export traced it"})
@@ -46,6 +51,9 @@ def run_pipeline(graph_module: GraphModule, ctx: PassContext, pipeline: str | li
             on_print_ir(info.name, format_graph(graph_module, ctx.symbol_names()))
         if info.name == ctx.config.stop_after:
             break
+    start = time.perf_counter()
+    check_full_propagation(graph_module, ctx.fake_mode)
+    ctx.propagation_timings["final_check_s"] = round(time.perf_counter() - start, 4)
     return graph_module
 
 
@@ -61,27 +69,21 @@ def _run_one(graph_module: GraphModule, ctx: PassContext, info: PassInfo) -> Gra
         raise PassError(f"pass {info.name} failed: {type(error).__name__}: {error}") from error
     graph_module.recompile()
     elapsed = time.perf_counter() - start
+    start = time.perf_counter()
     verify_graph(graph_module)
-    propagate_shapes(graph_module, ctx)
+    recomputed = propagate_changed(graph_module, ctx.fake_mode)
     ctx.history.append({
         "name": info.name,
         "description": info.description,
         "stats": dict(ctx.stats),
         "time_s": round(elapsed, 4),
+        "verify_s": round(time.perf_counter() - start, 4),
+        "nodes_repropagated": recomputed,
         "nodes_before": nodes_before,
         "nodes_after": len(graph_module.graph.nodes),
         "op_histogram": op_histogram(graph_module),
     })
     return graph_module
-
-
-def propagate_shapes(graph_module: GraphModule, ctx: PassContext) -> None:
-    """Re-annotate every node's meta["val"] by running the graph on the placeholders' fake values."""
-    inputs = [node.meta["val"] for node in graph_module.graph.nodes if node.op == "placeholder"]
-    try:
-        FakeTensorProp(graph_module, ctx.fake_mode).propagate_dont_convert_inputs(*inputs)
-    except Exception as error:
-        raise PassError(f"shape propagation failed: {type(error).__name__}: {error}") from error
 
 
 def _check_pass_names(ctx: PassContext, passes: list[PassInfo]) -> None:
