@@ -77,6 +77,12 @@ class EngineConfig:
     backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_init: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    collective_timeout: float = 60.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,6 +98,29 @@ class EngineConfig:
             raise OctavoError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise OctavoError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        self._check_parallel()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise OctavoError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise OctavoError(f"node_rank must be in 0..{self.nnodes - 1} for nnodes {self.nnodes}, "
+                              f"got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise OctavoError(f"{self.world_size} ranks (tensor x pipeline parallel size) do not divide evenly over "
+                              f"{self.nnodes} nodes")
+        if self.nnodes > 1 and not self.distributed_init:
+            raise OctavoError("nnodes > 1 needs distributed_init (tcp://HOST:PORT of node 0)")
+        if self.distributed_init and not self.distributed_init.startswith("tcp://"):
+            raise OctavoError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
+        if self.collective_timeout <= 0:
+            raise OctavoError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -101,3 +130,31 @@ class EngineConfig:
         if unknown:
             raise OctavoError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """Where one rank sits in a tensor x pipeline parallel layout.
+
+    Global rank = pp_rank * tp_size + tp_rank: the ranks of one pipeline
+    stage form one tensor-parallel group, and rank 0 is stage 0, shard 0.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+
+    @classmethod
+    def of_rank(cls, rank: int, tp_size: int, pp_size: int) -> RankPosition:
+        if not 0 <= rank < tp_size * pp_size:
+            raise OctavoError(f"rank {rank} is outside a layout of {tp_size} x {pp_size} ranks")
+        return cls(tp_size, rank % tp_size, pp_size, rank // tp_size)
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size

@@ -11,4 +11,6 @@ from octavo.passes import (  # noqa: F401
     fuse_rope,
     match_attention,
     prune_logits,
+    shard_tensor_parallel,
+    split_pipeline_stages,
 )

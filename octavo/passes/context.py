@@ -10,7 +10,7 @@ from torch._dynamo.source import ConstantSource
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-from octavo.config import CompileConfig
+from octavo.config import CompileConfig, RankPosition
 
 # Example sizes that back newly created symbols during fake propagation.
 _SYMBOL_HINTS = {"B": 3, "N": 3, "max_blocks": 5, "num_blocks": 17}
@@ -24,6 +24,9 @@ class PassContext:
     to the SymInts of the fake mode that annotates the graph, so a pass can
     add runtime inputs with symbolic shapes. `stats` is the dict the current
     pass fills; the manager moves it into `history` after the pass.
+    `rank` is set when passes prepare one rank's program of a parallel layout
+    (shard_tensor_parallel, split_pipeline_stages); `pipeline_stage` is what
+    split_pipeline_stages records about the stage it kept.
     """
 
     config: CompileConfig
@@ -37,6 +40,8 @@ class PassContext:
     kv_layout: dict | None = None
     runtime_inputs: dict[str, dict] = field(default_factory=dict)
     propagation_timings: dict[str, float] = field(default_factory=dict)
+    rank: RankPosition | None = None
+    pipeline_stage: dict | None = None
 
     def symbol(self, name: str) -> torch.SymInt:
         """The SymInt called `name`, created (as a fresh dynamic symbol) on first use."""
