@@ -23,3 +23,11 @@ class ArtifactError(OctavoError):
 
 class RequestError(OctavoError):
     """A generation request is invalid (too long, bad sampling parameters, ...)."""
+
+
+class WorkerFailedError(OctavoError):
+    """A rank of a parallel engine died, or a collective timed out: the engine cannot go on.
+
+    The message names the rank(s) and what happened to them. The engine is
+    dead afterwards: every later step raises this error again.
+    """

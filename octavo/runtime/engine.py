@@ -59,16 +59,27 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(manifest)
         self._length_limit_note = ""
         layout = manifest["kv_layout"]
-        num_blocks = choose_num_blocks(layout, self.config.kv_cache_memory, self.config.num_kv_blocks, self.device)
-        num_host_blocks = self._num_host_blocks(layout)
-        self.kv_cache = KVCache(layout, num_blocks, self.device, num_host_blocks)
+        self.parallel = None
+        if self.config.world_size > 1:
+            from octavo.runtime.distributed import ParallelRuntime
+
+            # Every rank holds its share of the cache (its heads, its stage's layers); rank 0's is the engine's.
+            self.parallel = ParallelRuntime(self.artifact, self.config, self.backend, self.device)
+            layout, self.kv_cache = self.parallel.kv_layout, self.parallel.kv_cache
+            num_blocks, num_host_blocks = self.kv_cache.num_blocks, self.kv_cache.num_host_blocks
+        else:
+            num_blocks = choose_num_blocks(layout, self.config.kv_cache_memory, self.config.num_kv_blocks,
+                                           self.device)
+            num_host_blocks = self._num_host_blocks(layout)
+            self.kv_cache = KVCache(layout, num_blocks, self.device, num_host_blocks)
         self._cap_max_model_len(num_blocks * layout["block_size"])
         self.block_manager = BlockManager(num_blocks, layout["block_size"],
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.preemption_mode,
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
-        self.executor = GraphExecutor(self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
+        self.executor = self.parallel.executor if self.parallel else GraphExecutor(
+            self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
                                        self.max_model_len)
@@ -210,6 +221,11 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a parallel engine (a single-process engine holds nothing to release)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def kv_utilization(self) -> float:
         """Tokens stored / token slots of the blocks in use (1.0 = no slot allocated but unused)."""

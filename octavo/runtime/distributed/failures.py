@@ -1,0 +1,106 @@
+"""Finding out which rank failed: exit records, error records and heartbeats in the rendezvous store.
+
+A communication error on rank 0 says only that some connection closed or
+some wait timed out. The cause is found here: every process that starts
+ranks records their exits (`exit/<rank>`), a rank that raises records its
+error (`error/<rank>`), and every rank bumps a heartbeat counter
+(`heartbeat/<rank>`) several times a second, so a rank that was killed or
+stopped without a record is the one whose counter stands still.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.2
+_EXIT, _ERROR, _HEARTBEAT = "octavo/exit/", "octavo/error/", "octavo/heartbeat/"
+# Error texts of a rank that merely lost a peer (its own failure is a consequence, not the cause).
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "Socket closed", "Connection refused")
+
+
+def record_exit(store: dist.Store, rank: int, exitcode: int) -> None:
+    _quietly(lambda: store.set(f"{_EXIT}{rank}", str(exitcode)))
+
+
+def record_error(store: dist.Store, rank: int, error: BaseException) -> None:
+    _quietly(lambda: store.set(f"{_ERROR}{rank}", f"{type(error).__name__}: {error}"[:2000]))
+
+
+def start_heartbeat(store: dist.Store, rank: int) -> threading.Thread:
+    """Bump this rank's heartbeat counter every HEARTBEAT_INTERVAL_S, on a daemon thread, while it lives."""
+
+    def beat() -> None:
+        key = f"{_HEARTBEAT}{rank}"
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # the store (rank 0) is gone: nobody is listening any more
+                return
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    thread = threading.Thread(target=beat, name=f"octavo-heartbeat-{rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def diagnose(store: dist.Store, world_size: int, local_exits: dict[int, int], wait_s: float = 1.0) -> list[str]:
+    """Why ranks 1..world_size-1 are gone: the causes first; ranks that only lost a peer are left out
+    when a cause is known. Takes about `wait_s` (to see which heartbeats still move)."""
+    before = _heartbeats(store, world_size)
+    time.sleep(wait_s)
+    after = _heartbeats(store, world_size)
+    causes, consequences = [], []
+    for rank in range(1, world_size):
+        exitcode = local_exits.get(rank, _read_int(store, f"{_EXIT}{rank}"))
+        error = _read(store, f"{_ERROR}{rank}")
+        if error is not None and any(marker in error for marker in _PEER_LOSS):
+            consequences.append(f"rank {rank} lost a peer ({error})")
+        elif error is not None:
+            causes.append(f"rank {rank} failed: {error}")
+        elif exitcode is not None and exitcode != 0:
+            causes.append(f"rank {rank} {describe_exit(exitcode)}")
+        elif before.get(rank) is not None and before.get(rank) == after.get(rank):
+            causes.append(f"rank {rank} stopped responding (no heartbeat for {wait_s:.1f}s)")
+    return causes or consequences
+
+
+def _heartbeats(store: dist.Store, world_size: int) -> dict[int, int | None]:
+    return {rank: _read_int(store, f"{_HEARTBEAT}{rank}") for rank in range(1, world_size)}
+
+
+def _read(store: dist.Store, key: str) -> str | None:
+    try:
+        if store.check([key]):
+            return store.get(key).decode()
+    except Exception:  # the store itself failing must not hide the original error
+        logger.debug("could not read %s from the rendezvous store", key)
+    return None
+
+
+def _read_int(store: dist.Store, key: str) -> int | None:
+    text = _read(store, key)
+    return int(text) if text is not None and text.lstrip("-").isdigit() else None
+
+
+def _quietly(action) -> None:
+    try:
+        action()
+    except Exception:
+        logger.debug("could not write to the rendezvous store", exc_info=True)
