@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -173,8 +174,7 @@ class ParallelRuntime:
         causes = diagnose(self.store, self.topology.world_size, dict(self.workers.exits)) \
             if hasattr(self, "store") else []
         what = "; ".join(causes) if causes else "a rank could not be reached"
-        return WorkerFailedError(f"distributed engine stopped during {during}: {what} "
-                                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+        return WorkerFailedError(f"distributed engine stopped during {during}: {what} ({short_error(error)})")
 
     def shutdown(self) -> None:
         """Tell every rank to stop, wait for this node's workers, leave the process group."""
@@ -195,6 +195,13 @@ class ParallelRuntime:
         runtime = reference()
         if runtime is not None:
             runtime.shutdown()
+
+
+def short_error(error: BaseException) -> str:
+    """`Type: first line`, without gloo's source path prefix and advice."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
+    return f"{type(error).__name__}: {text}"
 
 
 class DistributedExecutor:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.std import tqdm
 
 from octavo.codegen.artifact import GRAPH, WEIGHTS
 from octavo.config import EngineConfig
@@ -40,6 +42,9 @@ class WorkerSpec:
 def worker_main(spec: WorkerSpec) -> None:
     """The entry point of a spawned worker process."""
     logging.basicConfig(level=spec.log_level, format=f"%(levelname)s rank {spec.rank} %(name)s: %(message)s")
+    # tqdm's default lock (every tqdm class shares tqdm.std's) is a multiprocessing semaphore, which a killed
+    # worker would leak.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads_per_rank(spec.config, spec.topology))
     try:
         run_worker(spec)
