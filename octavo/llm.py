@@ -56,6 +56,10 @@ class LLM:
         finally:
             self._active = None
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (tensor/pipeline parallel size > 1); else nothing."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

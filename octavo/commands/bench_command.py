@@ -9,7 +9,7 @@ import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
 from octavo.bench.workloads import get_workload, workload_from_file
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
 from octavo.errors import OctavoError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact
@@ -50,10 +50,14 @@ def run(args: argparse.Namespace) -> int:
         return _run_online(args, workload)
     if args.artifact is None:
         raise OctavoError("give an ARTIFACT directory, or --server URL to benchmark a running server")
+    node_exit = run_worker_node(args)
+    if node_exit is not None:
+        return node_exit
     config = engine_config(args)
-    if config.num_threads is None:
+    if config.num_threads is None and config.world_size == 1:  # parallel ranks share the cores out themselves
         config.num_threads = 2
-    torch.set_num_threads(config.num_threads)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     artifact = load_artifact(args.artifact)
     needed_blocks = workload_blocks(workload, artifact)
     if args.kv_pool_fraction is not None:

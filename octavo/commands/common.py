@@ -28,7 +28,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     group.add_argument("--backend", choices=["auto", "torch", "triton"], default=None)
-    group.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    group.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
+    parallel = parser.add_argument_group("parallel options")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                          help="shard each layer over N ranks (attention heads, MLP columns, vocabulary)")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="P",
+                          help="split the layers into P pipeline stages")
+    parallel.add_argument("--distributed-init", default=None, metavar="tcp://HOST:PORT",
+                          help="rendezvous of a multi-node engine (node 0 listens there)")
+    parallel.add_argument("--nnodes", type=int, default=None, help="machines the ranks are spread over")
+    parallel.add_argument("--node-rank", type=int, default=None,
+                          help="this machine's index; node 0 runs the engine, the others only worker ranks")
+    parallel.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                          help="seconds a rank waits on another within a step before the engine stops")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,8 +54,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "device": args.device,
         "backend": args.backend,
         "num_threads": args.threads,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "distributed_init": args.distributed_init,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "collective_timeout": args.collective_timeout,
     }
     options = {key: value for key, value in options.items() if value is not None}
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     return EngineConfig(**options)
+
+
+def run_worker_node(args: argparse.Namespace) -> int | None:
+    """On a node other than node 0, run this node's worker ranks until the engine stops; else None."""
+    config = engine_config(args)
+    if config.node_rank == 0:
+        return None
+    from octavo.runtime.distributed.node import run_worker_node as run_node
+
+    error_console.print(f"node {config.node_rank} of {config.nnodes}: worker ranks of {args.artifact} "
+                        f"(rendezvous {config.distributed_init})")
+    return run_node(args.artifact, config)

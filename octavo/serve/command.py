@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from octavo.commands.common import add_engine_arguments, engine_config, error_console
+from octavo.commands.common import add_engine_arguments, engine_config, error_console, run_worker_node
 from octavo.errors import OctavoError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         raise OctavoError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.grace_period < 0:
         raise OctavoError(f"--grace-period must be >= 0, got {args.grace_period}")
+    node_exit = run_worker_node(args)
+    if node_exit is not None:
+        return node_exit
     engine = LLMEngine(args.artifact, engine_config(args))
     settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
                               max_waiting=args.max_waiting, grace_period_s=args.grace_period)

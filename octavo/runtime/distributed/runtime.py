@@ -76,6 +76,8 @@ class ParallelRuntime:
         self.topology: Topology = topology_of(config)
         if self.topology.node_rank != 0:
             raise OctavoError("only node 0 runs the engine; start other nodes with `octavo serve --node-rank R`")
+        if torch.distributed.is_initialized():
+            raise OctavoError("this process already runs a parallel engine (one per process): shut it down first")
         self.manifest = artifact.manifest
         self.failure: WorkerFailedError | None = None
         self.closed = False
