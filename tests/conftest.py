@@ -82,6 +82,23 @@ def tiny_artifact(tmp_path_factory, tiny_model_dir):
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_mqa_artifact(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny llama with 6 query heads sharing 1 KV head and a vocabulary of 49153 (divisible by no tp > 1),
+    compiled with fuse_qkv and fuse_gate_up off: the shapes and graph forms tensor parallelism must also handle."""
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+    from tests.tiny_models import make_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-mqa")
+    make_tiny_model("llama", num_attention_heads=6, num_key_value_heads=1, hidden_size=96, intermediate_size=192,
+                    vocab_size=49153).save_pretrained(directory)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    return compile_model(directory, tmp_path_factory.mktemp("artifact-mqa") / "artifact",
+                         CompileConfig(disabled_passes=("fuse_qkv", "fuse_gate_up")))
+
+
 @dataclass
 class CompileRun:
     artifact: Path

@@ -19,26 +19,28 @@ COMMON = {
 TINY_WINDOW = 24  # mistral's sliding window in the tiny config, shorter than the test sequences
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
+    """The tiny config of `model_type`; `overrides` replace entries of COMMON (head counts, sizes)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    common = {**COMMON, **overrides}
     if model_type == "llama":
-        return LlamaConfig(**COMMON, tie_word_embeddings=False)
+        return LlamaConfig(**common, tie_word_embeddings=False)
     if model_type == "mistral":
-        return MistralConfig(**COMMON, sliding_window=TINY_WINDOW, tie_word_embeddings=False)
+        return MistralConfig(**common, sliding_window=TINY_WINDOW, tie_word_embeddings=False)
     if model_type == "qwen2":
-        return Qwen2Config(**COMMON, tie_word_embeddings=True)
+        return Qwen2Config(**common, tie_word_embeddings=True)
     if model_type == "qwen3":
-        return Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     raise ValueError(model_type)
 
 
-def make_tiny_model(model_type: str, seed: int = 0):
+def make_tiny_model(model_type: str, seed: int = 0, **overrides):
     """A random-weight model whose logits are not flat (weights scaled up so tokens differ)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" not in name:

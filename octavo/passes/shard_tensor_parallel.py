@@ -10,6 +10,7 @@ from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
 from octavo.ir.graph import find_nodes, op_name
+from octavo.ir.ops.fused_pointwise import decode_program
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, is_weight, only_user
 from octavo.passes.registry import register_pass
@@ -54,7 +55,8 @@ def shard_tensor_parallel(graph_module: GraphModule, ctx: PassContext) -> GraphM
       projections, the attention and o_proj become the local ones. o_proj
       keeps the matching input columns and is followed by
       ``octavo.all_reduce`` (a bias is added once, after the reduction).
-    - MLP (per gated SiLU, fused ``octavo.silu_and_mul`` or ``silu(g) * u``):
+    - MLP (per gated SiLU: ``octavo.silu_and_mul``, ``silu(g) * u`` or a
+      fused_pointwise computing exactly that):
       gate and up keep intermediate columns ``[r*I/tp, (r+1)*I/tp)``, down_proj
       the matching input columns, followed by ``octavo.all_reduce``.
     - Embedding: the rank holds vocabulary rows ``[r*ceil(V/tp), ...)``
@@ -220,18 +222,15 @@ class _Sharder:
     # ---- MLP ----
 
     def _gated_mlps(self) -> list[Node]:
-        """The gating nodes: fused silu_and_mul, or the mul of silu(gate) and up."""
-        def is_gate(node: Node) -> bool:
-            return is_call(node, octavo.silu_and_mul.default) or (
-                is_call(node, aten.mul.Tensor) and any(is_call(arg, aten.silu.default) for arg in node.args))
-
-        return [node for node in self.graph_module.graph.nodes if is_gate(node)]
+        """The gating nodes: silu_and_mul, silu(gate) * up, or a fused_pointwise computing the latter."""
+        return [node for node in self.graph_module.graph.nodes
+                if is_call(node, octavo.silu_and_mul.default) or _gate_and_up(node) is not None]
 
     def _shard_mlp(self, gate: Node) -> None:
         if is_call(gate, octavo.silu_and_mul.default):
             self._shard_fused_gate_up(gate)
         else:
-            self._shard_unfused_gate_up(gate)
+            self._shard_unfused_gate_up(gate, *_gate_and_up(gate))
         down = only_user(gate)
         if not (is_call(down, aten.linear.default) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: the gated MLP output {gate.name} does not feed one down "
@@ -254,10 +253,8 @@ class _Sharder:
         columns = even_share(total // 2, self.tp_size, self.tp_rank, "MLP intermediate size")
         self._shard_column_parallel(merged, [columns, range(total // 2 + columns.start, total // 2 + columns.stop)])
 
-    def _shard_unfused_gate_up(self, gate: Node) -> None:
-        silu = next(arg for arg in gate.args if is_call(arg, aten.silu.default))
-        up = next(arg for arg in gate.args if arg is not silu)
-        sources = [self._mlp_source(silu.args[0], gate), self._mlp_source(up, gate)]
+    def _shard_unfused_gate_up(self, gate: Node, gate_input: Node, up_input: Node) -> None:
+        sources = [self._mlp_source(gate_input, gate), self._mlp_source(up_input, gate)]
         if all(split is None for _, split, _ in sources):
             for linear, _, _ in sources:
                 size = int(self.ctx.weights[linear.args[1].name].shape[0])
@@ -319,7 +316,8 @@ class _Sharder:
         graph = self.graph_module.graph
         with graph.inserting_before(lm_head.next):
             gathered = graph.call_function(octavo.all_gather.default, (lm_head, GROUP, self.tp_size, -1))
-            result = graph.call_function(aten.slice.Tensor, (gathered, -1, 0, vocab)) if shard.padded else gathered
+            padded = shard.size * self.tp_size > vocab  # on every rank: the gathered rows include the padding
+            result = graph.call_function(aten.slice.Tensor, (gathered, -1, 0, vocab)) if padded else gathered
         lm_head.replace_all_uses_with(result, delete_user_cb=lambda user: user is not gathered)
         self.handled.add(lm_head)
         self.counts["all_gather"] += 1
@@ -375,6 +373,32 @@ class _Sharder:
                     raise PassError(f"shard_tensor_parallel cannot shard {_describe(user)} (it reads weight "
                                     f"{node.name}) yet: tensor parallelism covers linears of attention and gated "
                                     "MLPs, the embedding and the lm_head")
+
+
+def _gate_and_up(node: Node) -> tuple[Node, Node] | None:
+    """(gate input, up input) of `mul(silu(gate), up)` (either operand order), or of a fused_pointwise whose
+    program is exactly that; None for anything else."""
+    if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
+        first, second = node.args
+        if is_call(first, aten.silu.default):
+            return first.args[0], second
+        if is_call(second, aten.silu.default):
+            return second.args[0], first
+        return None
+    if not is_call(node, octavo.fused_pointwise.default) or len(node.args[0]) != 2:
+        return None
+    steps = decode_program(node.args[1])
+    if len(steps) != 2 or steps[0].op is not aten.silu.default or steps[1].op is not aten.mul.Tensor:
+        return None
+    silu_input, operands = steps[0].args[0], steps[1].args
+    if silu_input.kind != "input" or len(operands) != 2 or steps[0].kwargs or steps[1].kwargs:
+        return None
+    step_reference = [operand for operand in operands if operand.kind == "step" and operand.index == 0]
+    up_reference = [operand for operand in operands if operand.kind == "input" and operand.index != silu_input.index]
+    if len(step_reference) != 1 or len(up_reference) != 1:
+        return None
+    inputs = node.args[0]
+    return inputs[silu_input.index], inputs[up_reference[0].index]
 
 
 def _rewrite_head_counts(path: list[Node], total: int, local: int, head_dim: int) -> None:

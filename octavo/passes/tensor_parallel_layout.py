@@ -69,10 +69,6 @@ class VocabShard:
     size: int
     vocab_size: int
 
-    @property
-    def padded(self) -> bool:
-        return self.start + self.size > self.vocab_size
-
 
 def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> VocabShard:
     """Each rank owns ceil(V / tp) rows; the last rank's share is padded when tp does not divide V."""
