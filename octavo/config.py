@@ -83,6 +83,7 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     collective_timeout: float = 60.0
+    pipeline_depth: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +120,8 @@ class EngineConfig:
             raise OctavoError("nnodes > 1 needs distributed_init (tcp://HOST:PORT of node 0)")
         if self.distributed_init and not self.distributed_init.startswith("tcp://"):
             raise OctavoError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
+        if self.pipeline_depth is not None and self.pipeline_depth < 1:
+            raise OctavoError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
         if self.collective_timeout <= 0:
             raise OctavoError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
 

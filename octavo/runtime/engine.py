@@ -80,6 +80,11 @@ class LLMEngine:
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         self.executor = self.parallel.executor if self.parallel else GraphExecutor(
             self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
+        self.pipeline = None
+        if self.parallel is not None and self.config.pipeline_parallel_size > 1:
+            from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
+
+            self.pipeline = PipelinedSteps(self, self.config.pipeline_depth or self.config.pipeline_parallel_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
                                        self.max_model_len)
@@ -158,6 +163,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the graph once, sample, and return the outputs of every request that changed."""
+        if self.pipeline is not None and self.pipeline.depth > 1:
+            return self.pipeline.step()
         executed = self.execute_step()
         if executed is None:
             return []

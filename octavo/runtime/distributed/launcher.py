@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import threading
+import time
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
@@ -40,12 +41,12 @@ class LocalWorkers:
             for sentinel in multiprocessing.connection.wait(list(alive)):
                 rank = alive.pop(sentinel)
                 process = self.processes[rank]
-                process.join()
-                self.exits[rank] = process.exitcode
-                if process.exitcode != 0:
-                    logger.error("rank %d (pid %d) exited with code %s", rank, process.pid, process.exitcode)
+                exitcode = _exitcode(process)
+                self.exits[rank] = exitcode
+                if exitcode != 0:
+                    logger.error("rank %d (pid %d) exited with code %s", rank, process.pid, exitcode)
                 if self._on_exit is not None:
-                    self._on_exit(rank, process.exitcode)
+                    self._on_exit(rank, exitcode)
 
     def join(self, timeout: float = _JOIN_TIMEOUT_S) -> None:
         """Wait for the workers to exit on their own, then end the ones that did not."""
@@ -64,3 +65,13 @@ class LocalWorkers:
         """Block until every worker has exited; their exit codes by rank."""
         self._watcher.join()
         return dict(self.exits)
+
+
+def _exitcode(process) -> int:
+    """The exit code of a process whose sentinel fired; `join` from another thread may reap it first, and
+    then this thread's join sees no code for a moment."""
+    deadline = time.monotonic() + 5.0
+    process.join(1.0)
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode if process.exitcode is not None else -1
