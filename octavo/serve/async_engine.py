@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from octavo.errors import WorkerFailedError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
 from octavo.runtime.outputs import RequestOutput
@@ -190,6 +191,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerFailedError:
+            raise  # a parallel engine lost a rank: end the thread, so requests get 503 from now on
         except Exception as error:
             # A bug: fail the requests in flight (their blocks are freed) and keep serving.
             logger.exception("engine step failed; aborting %d request(s)", len(self.engine.requests))

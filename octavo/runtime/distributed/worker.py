@@ -52,6 +52,8 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.error("rank %d stopped: %s: %s", spec.rank, type(error).__name__, error)
         sys.stderr.flush()
         os._exit(1)  # no interpreter teardown: the process group's threads may still block on dead peers
+    sys.stderr.flush()
+    os._exit(0)  # torch's interpreter teardown takes seconds on a loaded machine, and there is nothing to keep
 
 
 def threads_per_rank(config: EngineConfig, topology: Topology) -> int:
@@ -61,7 +63,7 @@ def threads_per_rank(config: EngineConfig, topology: Topology) -> int:
 
 def run_worker(spec: WorkerSpec) -> None:
     from octavo.passes.rank_program import prepare_rank_program
-    from octavo.runtime.distributed.collectives import connect_store, destroy_groups, init_groups
+    from octavo.runtime.distributed.collectives import connect_store, init_groups
     from octavo.runtime.distributed.failures import record_error, start_heartbeat
     from octavo.runtime.distributed.protocol import SHUTDOWN
     from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
@@ -89,7 +91,6 @@ def run_worker(spec: WorkerSpec) -> None:
     except BaseException as error:
         record_error(store, spec.rank, error)
         raise
-    destroy_groups()
 
 
 def load_program_inputs(root: Path, verify: bool) -> tuple[dict, torch.fx.GraphModule, dict[str, torch.Tensor]]:
