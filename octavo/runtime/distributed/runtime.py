@@ -168,7 +168,19 @@ class ParallelRuntime:
         with self._lock:
             self.failure = failure
         logger.error("%s", failure)
+        self._abandon()
         return failure
+
+    def _abandon(self) -> None:
+        """After a failure: end this node's workers and close rank 0's connections, so that the ranks of other
+        nodes, waiting for a next step that will not come, fail at once and their nodes exit."""
+        for process in self.workers.processes.values():
+            if process.is_alive():
+                process.terminate()
+        try:
+            destroy_groups()
+        except Exception as error:  # a broken group may not tear down cleanly; its sockets close with it anyway
+            logger.debug("process group teardown after a failure: %s", error)
 
     def _diagnosed(self, error: BaseException, during: str) -> WorkerFailedError:
         if isinstance(error, WorkerFailedError):
@@ -190,7 +202,8 @@ class ParallelRuntime:
             except Exception as error:  # a rank that is already gone cannot be told
                 logger.debug("shutdown message not delivered: %s", error)
         self.workers.join(timeout=0.5 if self.failure else 10.0)
-        destroy_groups()
+        if self.failure is None:
+            destroy_groups()
 
     @staticmethod
     def _shutdown_at_exit(reference) -> None:

@@ -1,0 +1,67 @@
+"""Two `octavo serve` node processes on 127.0.0.1 (tensor parallel 2 x pipeline parallel 2, two ranks each).
+
+Node 0 serves the OpenAI API; node 1 only runs its ranks. Their completions
+must equal the single-process engine's; when a rank of node 1 is killed, the
+server answers 503 (the next request and /health) instead of hanging, and
+node 1 exits non-zero.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from octavo.llm import LLM
+from octavo.runtime.sampling_params import SamplingParams
+from tests.serve.server_process import free_port, start_server
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+MAX_TOKENS = 12
+TIMEOUT_S = 20.0
+ENGINE = ["--num-kv-blocks", "64", "--collective-timeout", str(TIMEOUT_S)]
+
+
+def test_two_nodes_serve_like_one_process_and_answer_503_when_a_rank_dies(tiny_artifact, tmp_path):
+    artifact = tiny_artifact("mistral")
+    reference = LLM(artifact, num_kv_blocks=64, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [output.outputs[0].text for output in reference.generate(PROMPTS, params)]
+
+    layout = ["-tp", "2", "-pp", "2", "--nnodes", "2", "--distributed-init", f"tcp://127.0.0.1:{free_port()}"]
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", str(artifact), *layout, *ENGINE,
+                                  "--node-rank", "1", "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    server = None
+    try:
+        server = start_server(artifact, tmp_path, *layout, *ENGINE, "--node-rank", "0")
+        for prompt, text in zip(PROMPTS, expected, strict=True):
+            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+
+        victim = max(psutil.Process(node1.pid).children(), key=lambda child: child.pid)
+        victim.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS})
+        assert response.status_code == 503, response.text
+        assert time.monotonic() - start < TIMEOUT_S + 5
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+        assert node1.wait(timeout=TIMEOUT_S + 10) != 0
+        assert "was killed by signal SIGKILL" in server.log()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+        if server is not None:
+            server.stop()
