@@ -285,7 +285,7 @@ class _Sharder:
 
     def _shard_embedding(self, embedding: Node) -> None:
         weight, ids = embedding.args[:2]
-        if not is_weight(weight, self.ctx) or len(embedding.args) > 2 or embedding.kwargs:
+        if not is_weight(weight, self.ctx) or embedding.kwargs:
             raise PassError(f"shard_tensor_parallel cannot shard {_describe(embedding)} by vocabulary")
         shard = vocab_shard(self._vocab_rows(weight), self.tp_size, self.tp_rank)
         self._slice_weight(weight, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
@@ -296,6 +296,8 @@ class _Sharder:
             above = graph.call_function(aten.ge.Scalar, (shifted, shard.size))
             outside = graph.call_function(aten.bitwise_or.Tensor, (below, above))
             local_ids = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+        # padding_idx (and the other trailing arguments) only change gradients; a global row index has no
+        # meaning for the rank's rows, so none is passed on.
         embedding.args = (weight, local_ids)
         with graph.inserting_before(embedding.next):
             mask = graph.call_function(aten.unsqueeze.default, (outside, -1))

@@ -118,6 +118,18 @@ def test_an_op_it_cannot_shard_is_named(artifacts):
         prepare_rank_program(graph_module, artifact.weights, artifact.manifest, RankPosition(2, 0))
 
 
+def test_an_embedding_with_a_padding_index_is_sharded(artifacts):
+    # GGUF models (SmolLM2) trace embedding(weight, ids, padding_idx): the index only matters for gradients.
+    artifact = artifacts("llama")
+    graph_module = load_artifact(artifact.path).graph_module
+    embedding = next(node for node in graph_module.graph.nodes if node.target is aten.embedding.default)
+    embedding.args = (*embedding.args[:2], 2)
+    graph_module.recompile()
+    program = prepare_rank_program(graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    sharded = next(node for node in program.graph_module.graph.nodes if node.target is aten.embedding.default)
+    assert len(sharded.args) == 2 and sharded.args[1].target is aten.masked_fill.Scalar
+
+
 def test_rank_program_round_trips_through_graph_onnx(artifacts):
     artifact = artifacts("qwen2")
     program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 0))
