@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(artifact, config)
     prompts = workload.prompts(engine.vocab_size)
     console.print(f"workload {workload.name}: {workload.description} "
-                  f"({config.num_threads} threads, {engine.device}, backend {engine.backend}, "
+                  f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
+                  f"backend {engine.backend}, "
                   f"KV pool {engine.block_manager.num_blocks} blocks = "
                   f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
     octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
@@ -135,3 +136,11 @@ def _run_hf_baseline(engine: LLMEngine, workload, prompts):
     model = load_model(origin).load_module(manifest["dtype"])
     pad = engine.eos_token_ids[0] if engine.eos_token_ids else None
     return run_hf(model, workload, prompts, pad)
+
+
+def _layout(config) -> str:
+    """ per rank, tensor parallel N x pipeline parallel P" for a parallel engine, else nothing."""
+    if config.world_size == 1:
+        return ""
+    return (f" per rank, tensor parallel {config.tensor_parallel_size} x pipeline parallel "
+            f"{config.pipeline_parallel_size}")
