@@ -63,7 +63,14 @@ def parse_memory_size(value: int | str | None) -> int | None:
 
 @dataclass
 class EngineConfig:
-    """Options of the runtime engine (LLM(...), octavo generate/serve/bench)."""
+    """Options of the runtime engine (LLM(...), octavo generate/serve/bench).
+
+    Parallel engines: tensor_parallel_size x pipeline_parallel_size ranks,
+    spread over `nnodes` machines that meet at `distributed_init`
+    (tcp://HOST:PORT of node 0); `collective_timeout` bounds every wait
+    within a step (seconds); `pipeline_depth` is how many batches are in
+    flight through the stages (default: pipeline_parallel_size).
+    """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
