@@ -20,7 +20,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.2
-_EXIT, _ERROR, _HEARTBEAT = "octavo/exit/", "octavo/error/", "octavo/heartbeat/"
+_EXIT, _ERROR, _HEARTBEAT, _READY = "octavo/exit/", "octavo/error/", "octavo/heartbeat/", "octavo/ready/"
 # Error texts of a rank that merely lost a peer (its own failure is a consequence, not the cause).
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "Socket closed", "Connection refused")
@@ -32,6 +32,32 @@ def record_exit(store: dist.Store, rank: int, exitcode: int) -> None:
 
 def record_error(store: dist.Store, rank: int, error: BaseException) -> None:
     _quietly(lambda: store.set(f"{_ERROR}{rank}", f"{type(error).__name__}: {error}"[:2000]))
+
+
+def mark_ready(store: dist.Store, rank: int) -> None:
+    """This rank loaded the artifact and built its program: it is about to join the process group."""
+    store.set(f"{_READY}{rank}", "1")
+
+
+def wait_until_ready(store: dist.Store, world_size: int, local_exits: dict[int, int], timeout_s: float) -> list[str]:
+    """Wait until ranks 1..world_size-1 are ready; the causes (as `diagnose` words them) if any failed first.
+
+    Joining the process group blocks until every rank joins, so a rank that
+    fails while loading must be seen here, before rank 0 waits there.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(1, world_size))
+    while waiting and time.monotonic() < deadline:
+        waiting = {rank for rank in waiting if _read(store, f"{_READY}{rank}") is None}
+        failed = [rank for rank in waiting if rank in local_exits or _read(store, f"{_EXIT}{rank}") is not None
+                  or _read(store, f"{_ERROR}{rank}") is not None]
+        if failed:
+            time.sleep(0.2)  # let the error record of a rank whose exit was seen first arrive
+            return diagnose(store, world_size, dict(local_exits), wait_s=0.0)
+        time.sleep(0.05)
+    if waiting:
+        return [f"rank {rank} did not start within {timeout_s:.0f}s" for rank in sorted(waiting)]
+    return []
 
 
 def start_heartbeat(store: dist.Store, rank: int) -> threading.Thread:
@@ -62,7 +88,8 @@ def describe_exit(exitcode: int) -> str:
 
 def diagnose(store: dist.Store, world_size: int, local_exits: dict[int, int], wait_s: float = 1.0) -> list[str]:
     """Why ranks 1..world_size-1 are gone: the causes first; ranks that only lost a peer are left out
-    when a cause is known. Takes about `wait_s` (to see which heartbeats still move)."""
+    when a cause is known. Takes about `wait_s` (to see which heartbeats still move; 0: exit and error
+    records only)."""
     before = _heartbeats(store, world_size)
     time.sleep(wait_s)
     after = _heartbeats(store, world_size)
@@ -76,7 +103,7 @@ def diagnose(store: dist.Store, world_size: int, local_exits: dict[int, int], wa
             causes.append(f"rank {rank} failed: {error}")
         elif exitcode is not None and exitcode != 0:
             causes.append(f"rank {rank} {describe_exit(exitcode)}")
-        elif before.get(rank) is not None and before.get(rank) == after.get(rank):
+        elif wait_s > 0 and before.get(rank) is not None and before.get(rank) == after.get(rank):
             causes.append(f"rank {rank} stopped responding (no heartbeat for {wait_s:.1f}s)")
     return causes or consequences
 

@@ -21,8 +21,8 @@ import torch
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, WorkerFailedError
 from octavo.passes.rank_program import prepare_rank_program
-from octavo.runtime.distributed.collectives import connect_store, destroy_groups, init_groups
-from octavo.runtime.distributed.failures import describe_exit, diagnose, record_exit
+from octavo.runtime.distributed.collectives import STARTUP_TIMEOUT, connect_store, destroy_groups, init_groups
+from octavo.runtime.distributed.failures import describe_exit, diagnose, record_exit, wait_until_ready
 from octavo.runtime.distributed.launcher import LocalWorkers
 from octavo.runtime.distributed.protocol import SHUTDOWN, STEP, StepMessage
 from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
@@ -89,13 +89,18 @@ class ParallelRuntime:
         self.workers = LocalWorkers(self._worker_specs(artifact, backend, device), on_exit=self._on_worker_exit)
         try:
             self.store = connect_store(self.topology, 0)
+            causes = wait_until_ready(self.store, self.topology.world_size, self.workers.exits,
+                                      STARTUP_TIMEOUT.total_seconds())
+            if causes:
+                raise WorkerFailedError(f"distributed engine could not start: {'; '.join(causes)}")
             groups = init_groups(self.topology, 0, self.store, config.collective_timeout, device)
             self.state = build_rank_state(program, groups, config, backend, device, cache_class=RecordingKVCache)
         except Exception as error:
             failure = self._diagnosed(error, "start-up")
             self.workers.join(timeout=1.0)
             raise failure from error
-        self.transport = StepTransport(groups, step_input_names(self.manifest), step_input_dtypes(self.manifest))
+        self.transport = StepTransport(groups, step_input_names(self.manifest), step_input_dtypes(self.manifest),
+                                       device)
         self.executor = DistributedExecutor(self)
         self._step = 0
         finalizer = weakref.finalize(self, ParallelRuntime._shutdown_at_exit, weakref.ref(self))

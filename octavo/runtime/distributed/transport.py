@@ -27,8 +27,10 @@ _HEADER_TAG, _PAYLOAD_TAG, _HIDDEN_TAG, _LOGITS_TAG = 1, 2, 3, 4
 class StepTransport:
     """One rank's end of the step traffic (see the module docstring)."""
 
-    def __init__(self, groups: RankGroups, input_names: list[str], input_dtypes: dict[str, torch.dtype]):
+    def __init__(self, groups: RankGroups, input_names: list[str], input_dtypes: dict[str, torch.dtype],
+                 device: torch.device):
         self.groups = groups
+        self.device = device  # hidden states and logits travel as device tensors (NCCL on CUDA)
         self.rank = groups.rank
         self.topology = groups.topology
         self.position = self.topology.position(self.rank)
@@ -83,7 +85,7 @@ class StepTransport:
         dtypes = [getattr(torch, spec["dtype"]) for spec in specs]
         counts = [_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in zip(shapes, dtypes,
                                                                                                       strict=True)]
-        packed = torch.empty(sum(counts), dtype=torch.uint8)
+        packed = torch.empty(sum(counts), dtype=torch.uint8, device=self.device)
         dist.irecv(packed, self.previous_rank, tag=_HIDDEN_TAG).wait(timeout=self.timeout)
         values, offset = {}, 0
         for spec, shape, dtype, count in zip(specs, shapes, dtypes, counts, strict=True):
@@ -95,7 +97,7 @@ class StepTransport:
         self._send(logits.contiguous(), 0, _LOGITS_TAG)
 
     def receive_logits(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-        logits = torch.empty(shape, dtype=dtype)
+        logits = torch.empty(shape, dtype=dtype, device=self.device)
         dist.irecv(logits, self.topology.last_stage_first_rank, tag=_LOGITS_TAG).wait(timeout=self.timeout)
         return logits
 

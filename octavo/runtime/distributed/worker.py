@@ -64,7 +64,7 @@ def threads_per_rank(config: EngineConfig, topology: Topology) -> int:
 def run_worker(spec: WorkerSpec) -> None:
     from octavo.passes.rank_program import prepare_rank_program
     from octavo.runtime.distributed.collectives import connect_store, init_groups
-    from octavo.runtime.distributed.failures import record_error, start_heartbeat
+    from octavo.runtime.distributed.failures import mark_ready, record_error, start_heartbeat
     from octavo.runtime.distributed.protocol import SHUTDOWN
     from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
     from octavo.runtime.distributed.transport import StepTransport
@@ -75,9 +75,10 @@ def run_worker(spec: WorkerSpec) -> None:
         manifest, graph_module, weights = load_program_inputs(Path(spec.artifact), spec.verify)
         device = torch.device(spec.device)
         program = prepare_rank_program(graph_module, weights, manifest, spec.topology.position(spec.rank))
+        mark_ready(store, spec.rank)
         groups = init_groups(spec.topology, spec.rank, store, spec.config.collective_timeout, device)
         state = build_rank_state(program, groups, spec.config, spec.backend, device)
-        transport = StepTransport(groups, step_input_names(manifest), step_input_dtypes(manifest))
+        transport = StepTransport(groups, step_input_names(manifest), step_input_dtypes(manifest), device)
         sends_logits = program.pipeline_stage is None or not program.pipeline_stage["outputs"]
         sends_logits = sends_logits and groups.topology.position(spec.rank).tp_rank == 0
         while True:

@@ -3,7 +3,8 @@
 Node 0 serves the OpenAI API; node 1 only runs its ranks. Their completions
 must equal the single-process engine's; when a rank of node 1 is killed, the
 server answers 503 (the next request and /health) instead of hanging, and
-node 1 exits non-zero.
+node 1 exits non-zero. A node whose rank cannot even load the artifact stops
+node 0's start with that rank's error.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import httpx
 import psutil
 import pytest
 
+from octavo.config import EngineConfig
+from octavo.errors import WorkerFailedError
 from octavo.llm import LLM
+from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.serve.server_process import free_port, start_server
 
@@ -65,3 +69,22 @@ def test_two_nodes_serve_like_one_process_and_answer_503_when_a_rank_dies(tiny_a
             node1.wait()
         if server is not None:
             server.stop()
+
+
+def test_a_rank_that_cannot_load_stops_the_start_with_its_error(tiny_artifact, tmp_path):
+    init = f"tcp://127.0.0.1:{free_port()}"
+    missing = tmp_path / "not-copied-to-node-1"
+    node1 = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", str(missing), "-tp", "2", "--nnodes", "2",
+                              "--node-rank", "1", "--distributed-init", init, "--threads", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        config = EngineConfig(num_kv_blocks=16, num_threads=1, tensor_parallel_size=2, nnodes=2, node_rank=0,
+                              distributed_init=init)
+        with pytest.raises(WorkerFailedError, match=f"rank 1 failed: ArtifactError: no such artifact directory: "
+                                                    f"{missing}"):
+            LLMEngine(tiny_artifact("llama"), config)
+        assert node1.wait(timeout=60) == 1
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
