@@ -10,7 +10,6 @@ from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
 from octavo.ir.graph import find_nodes, op_name
-from octavo.ir.ops.fused_pointwise import decode_program
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, is_weight, only_user
 from octavo.passes.registry import register_pass
@@ -23,6 +22,7 @@ from octavo.passes.tensor_parallel_layout import (
     vocab_rows,
     vocab_shard,
 )
+from octavo.passes.tensor_parallel_patterns import VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
 
 aten = torch.ops.aten
 octavo = torch.ops.octavo
@@ -30,7 +30,6 @@ octavo = torch.ops.octavo
 GROUP = "tp"
 """The logical group name the collectives of this pass carry (the runtime binds it to a process group)."""
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _LAYOUT_OPS = (aten.transpose.int, aten.permute.default, aten.select.int, aten.unsqueeze.default,
                aten.squeeze.dim, aten.clone.default)
 # Ops that read a weight but are correct on every rank with the whole weight (they act on replicated
@@ -132,10 +131,10 @@ class _Sharder:
                    for index, role in enumerate(roles)}
         for role, source in sources.items():
             total, owned = roles[role]
-            _rewrite_head_counts(source.path, total, len(owned), heads.head_dim)
+            rewrite_head_counts(source.path, total, len(owned), heads.head_dim)
         self._shard_projections(sources, roles)
         path, o_proj = self._trace_output(attention)
-        _rewrite_head_counts(path, layout["num_heads"], len(heads.q_heads), heads.head_dim)
+        rewrite_head_counts(path, layout["num_heads"], len(heads.q_heads), heads.head_dim)
         self._shard_row_parallel(o_proj, head_rows(heads.q_heads, heads.head_dim))
         self.counts["attention_layers"] += 1
 
@@ -144,7 +143,7 @@ class _Sharder:
         and the rotary embedding."""
         path: list[Node] = []
         while True:
-            if is_call(node, *_VIEWS, *_LAYOUT_OPS):
+            if is_call(node, *VIEWS, *_LAYOUT_OPS):
                 path.append(node)
                 node = node.args[0]
             elif is_call(node, octavo.rms_norm.default):
@@ -213,7 +212,7 @@ class _Sharder:
             user = only_user(node)
             if is_call(user, aten.linear.default) and user.args[0] is node and is_weight(user.args[1], self.ctx):
                 return path, user
-            if not is_call(user, *_VIEWS, *_LAYOUT_OPS):
+            if not is_call(user, *VIEWS, *_LAYOUT_OPS):
                 raise PassError(f"shard_tensor_parallel cannot follow {attention.name}'s output to o_proj: "
                                 f"{node.name} has users {[_describe(u) for u in node.users]}")
             path.append(user)
@@ -224,13 +223,13 @@ class _Sharder:
     def _gated_mlps(self) -> list[Node]:
         """The gating nodes: silu_and_mul, silu(gate) * up, or a fused_pointwise computing the latter."""
         return [node for node in self.graph_module.graph.nodes
-                if is_call(node, octavo.silu_and_mul.default) or _gate_and_up(node) is not None]
+                if is_call(node, octavo.silu_and_mul.default) or gate_and_up(node) is not None]
 
     def _shard_mlp(self, gate: Node) -> None:
         if is_call(gate, octavo.silu_and_mul.default):
             self._shard_fused_gate_up(gate)
         else:
-            self._shard_unfused_gate_up(gate, *_gate_and_up(gate))
+            self._shard_unfused_gate_up(gate, *gate_and_up(gate))
         down = only_user(gate)
         if not (is_call(down, aten.linear.default) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: the gated MLP output {gate.name} does not feed one down "
@@ -308,7 +307,7 @@ class _Sharder:
         self.counts["all_reduce"] += 1
 
     def _shard_lm_head(self) -> None:
-        lm_head = _find_lm_head(self.graph_module)
+        lm_head = find_lm_head(self.graph_module)
         weight = lm_head.args[1]
         if not is_weight(weight, self.ctx) or len(lm_head.args) > 2:
             raise PassError(f"shard_tensor_parallel cannot shard the lm_head {_describe(lm_head)} by vocabulary")
@@ -375,61 +374,6 @@ class _Sharder:
                     raise PassError(f"shard_tensor_parallel cannot shard {_describe(user)} (it reads weight "
                                     f"{node.name}) yet: tensor parallelism covers linears of attention and gated "
                                     "MLPs, the embedding and the lm_head")
-
-
-def _gate_and_up(node: Node) -> tuple[Node, Node] | None:
-    """(gate input, up input) of `mul(silu(gate), up)` (either operand order), or of a fused_pointwise whose
-    program is exactly that; None for anything else."""
-    if is_call(node, aten.mul.Tensor) and len(node.args) == 2:
-        first, second = node.args
-        if is_call(first, aten.silu.default):
-            return first.args[0], second
-        if is_call(second, aten.silu.default):
-            return second.args[0], first
-        return None
-    if not is_call(node, octavo.fused_pointwise.default) or len(node.args[0]) != 2:
-        return None
-    steps = decode_program(node.args[1])
-    if len(steps) != 2 or steps[0].op is not aten.silu.default or steps[1].op is not aten.mul.Tensor:
-        return None
-    silu_input, operands = steps[0].args[0], steps[1].args
-    if silu_input.kind != "input" or len(operands) != 2 or steps[0].kwargs or steps[1].kwargs:
-        return None
-    step_reference = [operand for operand in operands if operand.kind == "step" and operand.index == 0]
-    up_reference = [operand for operand in operands if operand.kind == "input" and operand.index != silu_input.index]
-    if len(step_reference) != 1 or len(up_reference) != 1:
-        return None
-    inputs = node.args[0]
-    return inputs[silu_input.index], inputs[up_reference[0].index]
-
-
-def _rewrite_head_counts(path: list[Node], total: int, local: int, head_dim: int) -> None:
-    """In the views of `path`, a head count `total` (any dim but the last) becomes `local`, and a last dim
-    of `total * head_dim` (heads flattened) becomes `local * head_dim`."""
-    if total == local:
-        return
-    for node in path:
-        if not is_call(node, *_VIEWS):
-            continue
-        shape = list(node.args[1])
-        last = len(shape) - 1
-        new = [local if index < last and dim == total and isinstance(dim, int)
-               else local * head_dim if index == last and dim == total * head_dim and isinstance(dim, int)
-               else dim for index, dim in enumerate(shape)]
-        node.args = (node.args[0], new, *node.args[2:])
-
-
-_OUTPUT_PASS_THROUGH = (aten.select.int, aten.view.default, aten._to_copy.default, aten.slice.Tensor,
-                        aten.squeeze.dim, aten.clone.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _find_lm_head(graph_module: GraphModule) -> Node:
-    node = graph_module.graph.output_node().args[0]
-    while is_call(node, *_OUTPUT_PASS_THROUGH):
-        node = node.args[0]
-    if not is_call(node, aten.linear.default):
-        raise PassError("shard_tensor_parallel found no lm_head linear feeding the graph output")
-    return node
 
 
 def _describe(node) -> str:
