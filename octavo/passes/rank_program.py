@@ -4,7 +4,7 @@ The artifact holds the whole model; the parallel passes (shard_tensor_parallel,
 split_pipeline_stages) run when an engine of a given size loads it, so one
 artifact serves every tensor and pipeline parallel size. The loaded graph
 carries no shapes (graph.onnx stores none), so they are first re-derived
-with meta tensors from the manifest's signature and the weights' shapes.
+with fake tensors from the manifest's signature and the weights' shapes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.fx import Graph, GraphModule, Interpreter
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule
 
 from octavo.config import CompileConfig, RankPosition
 from octavo.errors import PassError
@@ -51,7 +52,7 @@ def prepare_rank_program(graph_module: GraphModule, weights: dict[str, torch.Ten
     graph.output(graph.graph_copy(graph_module.graph, {}))
     copy = GraphModule(torch.nn.Module(), graph)
     ctx = load_time_context(copy, dict(weights), manifest, position)
-    result = run_pipeline(copy, ctx, PARALLEL_PIPELINE, propagate=propagate_meta)
+    result = run_pipeline(copy, ctx, PARALLEL_PIPELINE)
     seconds = time.perf_counter() - start
     logger.info("rank %d (tp %d/%d, pp %d/%d): program prepared in %.2fs", position.rank, position.tp_rank,
                 position.tp_size, position.pp_rank, position.pp_size, seconds)
@@ -60,53 +61,37 @@ def prepare_rank_program(graph_module: GraphModule, weights: dict[str, torch.Ten
 
 def load_time_context(graph_module: GraphModule, weights: dict[str, torch.Tensor], manifest: dict,
                       position: RankPosition) -> PassContext:
-    """A PassContext for a loaded graph, every node's meta["val"] a meta tensor of concrete example sizes.
+    """A PassContext for a loaded graph whose placeholders carry fake tensors of concrete example sizes.
 
-    Symbolic fake propagation costs milliseconds per node (a 30-layer model
-    takes many seconds per rank); meta tensors of fixed example sizes cost
-    microseconds. The runtime sizes (T, B, N, ...) get values no model
-    dimension has (LOAD_TIME_SIZES), so that ctx.symbol_names() can still
-    tell a size that is the token count from a constant.
+    Symbolic sizes cost milliseconds of sympy per node (a 30-layer model takes
+    many seconds per rank); a fake mode without a shape environment, at fixed
+    example sizes, costs a small fraction of that. The runtime sizes (T, B,
+    N, ...) get values no model dimension has (LOAD_TIME_SIZES), so that
+    ctx.symbol_names() still tells a size that is the token count from a
+    constant.
     """
     layout = manifest["kv_layout"]
     ctx = PassContext(config=CompileConfig(dtype=manifest["dtype"], block_size=layout["block_size"]),
                       weights=weights, model_config=manifest.get("source", {}).get("config"), architecture=None,
-                      fake_mode=torch.device("meta"), symbols=dict(LOAD_TIME_SIZES), kv_layout=dict(layout),
+                      fake_mode=FakeTensorMode(), symbols=dict(LOAD_TIME_SIZES), kv_layout=dict(layout),
                       rank=position)
     signature = manifest["signature"]["inputs"]
     for node in graph_module.graph.find_nodes(op="placeholder"):
         if node.name in weights:
-            tensor = weights[node.name]
-            node.meta["val"] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            shape, dtype = weights[node.name].shape, weights[node.name].dtype
         elif node.name in signature:
             spec = signature[node.name]
-            node.meta["val"] = torch.empty([_example_size(dim) for dim in spec["shape"]],
-                                           dtype=getattr(torch, spec["dtype"]), device="meta")
+            shape, dtype = [_example_size(dim) for dim in spec["shape"]], getattr(torch, spec["dtype"])
             ctx.runtime_inputs[node.name] = spec
         else:
             raise PassError(f"graph input {node.name} is neither a weight nor an input of the manifest's signature")
-    propagate_meta(graph_module, ctx)
+        with ctx.fake_mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
     return ctx
 
 
 LOAD_TIME_SIZES = {"T": 1009, "B": 1013, "N": 1019, "max_blocks": 1021, "num_blocks": 1031}
 """Example runtime sizes for load-time shape propagation: primes no model dimension is."""
-
-
-def propagate_meta(graph_module: GraphModule, ctx: PassContext) -> None:
-    """Re-annotate every node's meta["val"] by running the graph on its placeholders' meta tensors."""
-    inputs = [node.meta["val"] for node in graph_module.graph.find_nodes(op="placeholder")]
-    try:
-        _MetaRecorder(graph_module).run(*inputs)
-    except Exception as error:
-        raise PassError(f"shape propagation failed: {type(error).__name__}: {error}") from error
-
-
-class _MetaRecorder(Interpreter):
-    def run_node(self, node):
-        result = super().run_node(node)
-        node.meta["val"] = result
-        return result
 
 
 def _example_size(dim: int | str) -> int:

@@ -6,7 +6,8 @@ computes. Re-running the whole graph on fake tensors after every pass costs seco
 propagated node also records the inputs it was propagated with (``meta["propagated_from"]``: its
 target and arguments, nodes by identity); after a pass, a node is recomputed when that record is
 missing (a new node) or differs (rewired arguments), or when one of its inputs was recomputed to a
-different shape or dtype. Everything else keeps its value, which is exactly what a full
+different shape or dtype (or, for a placeholder, given another by the pass). Everything else keeps its
+value, which is exactly what a full
 re-propagation would give it: a node's fake value depends only on its target, its arguments and its
 inputs' fake values.
 
@@ -36,6 +37,9 @@ def propagate_changed(graph_module: GraphModule, fake_mode) -> int:
     for node in graph_module.graph.nodes:
         if node.op == "output":
             node.meta["val"] = map_arg(node.args[0], lambda source: source.meta.get("val"))
+        if node.op == "placeholder" and node.meta.get(_RECORD) != describe(node.meta.get("val")):
+            changed.add(node)  # a pass gave an input another value (a weight sliced or re-laid out)
+            node.meta[_RECORD] = describe(node.meta.get("val"))
         if node.op != "call_function":
             continue
         record = _record(node)
@@ -61,6 +65,8 @@ def propagate_all(graph_module: GraphModule, fake_mode) -> None:
     for node in graph_module.graph.nodes:
         if node.op == "call_function":
             node.meta[_RECORD] = _record(node)
+        elif node.op == "placeholder":
+            node.meta[_RECORD] = describe(node.meta.get("val"))
 
 
 def check_full_propagation(graph_module: GraphModule, fake_mode) -> None:

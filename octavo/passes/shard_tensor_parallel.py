@@ -362,7 +362,7 @@ class _Sharder:
         tensor = make_slice(self.ctx.weights[node.name])
         self.ctx.weights[node.name] = tensor
         with self.ctx.fake_mode:
-            node.meta["val"] = torch.empty(tensor.shape, dtype=tensor.dtype)  # fake or meta, as the context uses
+            node.meta["val"] = torch.empty(tensor.shape, dtype=tensor.dtype)
         self.sliced[node.name] = key
 
     def _check_every_weight_user_handled(self) -> None:
