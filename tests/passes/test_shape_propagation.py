@@ -69,3 +69,15 @@ def test_final_check_catches_a_value_the_incremental_pass_cannot_see(graph):
     assert propagate_changed(module, fake_mode) == 0
     with pytest.raises(PassError, match=f"at node {relu.name}"):
         check_full_propagation(module, fake_mode)
+
+
+def test_a_placeholder_given_another_shape_recomputes_its_users(graph):
+    module, fake_mode = graph
+    weight = [node for node in module.graph.nodes if node.op == "placeholder"][1]
+    with fake_mode:
+        weight.meta["val"] = torch.empty(3, 8)  # a pass kept 3 of the 6 output rows (tensor parallelism)
+    computed = [node for node in module.graph.nodes if node.op == "call_function"]
+    assert propagate_changed(module, fake_mode) == len(computed)  # every node depends on the weight
+    assert describe(node_with(module, aten.sum.dim_IntList).meta["val"]) == ("torch.float32", ("4",))
+    assert describe(node_with(module, aten.relu.default).meta["val"]) == ("torch.float32", ("4", "3"))
+    check_full_propagation(module, fake_mode)
