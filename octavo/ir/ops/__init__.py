@@ -1,5 +1,13 @@
 """The octavo:: custom op set. Importing this package registers every op with torch.library."""
 
-from octavo.ir.ops import activation, attention, collectives, fused_pointwise, norm, rotary  # noqa: F401
+from octavo.ir.ops import (  # noqa: F401
+    activation,
+    attention,
+    collectives,
+    fused_pointwise,
+    norm,
+    quantized_linear,
+    rotary,
+)
 
 OCTAVO_NAMESPACE = "octavo"
