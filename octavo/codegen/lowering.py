@@ -27,13 +27,20 @@ def backend_kernels(backend: str) -> dict:
     raise OctavoError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
-def lower_graph(graph_module: GraphModule, backend: str) -> GraphModule:
+def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
     """Replace each octavo op node's target by the backend kernel (in place); ATen ops stay as they are.
 
     Fails naming the op when the backend lacks a kernel for it. A kernel with
     a `prepare(node)` attribute gets it called once per node here, at load
     (the Triton backend generates and imports fused_pointwise kernels then).
+    First, on the torch backend, quantized linears get their CPU kernel and
+    packed weights (torch_backend.weight_packing; `activation_dtype` is the
+    artifact's dtype, float32 when not given).
     """
+    if backend == "torch":
+        from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
+
+        pack_quantized_linears(graph_module, activation_dtype)
     kernels = backend_kernels(backend)
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

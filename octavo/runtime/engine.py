@@ -79,7 +79,8 @@ class LLMEngine:
                                    self.config.preemption_mode,
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         self.executor = self.parallel.executor if self.parallel else GraphExecutor(
-            self.artifact.graph_module, self.artifact.weights, self.backend, self.device)
+            self.artifact.graph_module, self.artifact.weights, self.backend, self.device,
+            activation_dtype=getattr(torch, manifest["dtype"]))
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
             from octavo.runtime.distributed.pipelined_steps import PipelinedSteps

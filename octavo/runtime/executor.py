@@ -28,13 +28,13 @@ class GraphExecutor:
     """Runs the compiled graph: `run(inputs)` feeds every runtime placeholder by name."""
 
     def __init__(self, graph_module: GraphModule, weights: dict[str, torch.Tensor], backend: str,
-                 device: torch.device):
+                 device: torch.device, activation_dtype: torch.dtype | None = None):
         self.device = device
         # Work on a copy: binding and lowering rewrite the graph, and the artifact may serve other engines.
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(graph_module.graph, {}))
         graph_module = bind_weights(GraphModule(torch.nn.Module(), graph), weights, device)
-        self.graph_module = lower_graph(graph_module, backend)
+        self.graph_module = lower_graph(graph_module, backend, activation_dtype)
         self.input_names = [node.name for node in self.graph_module.graph.nodes if node.op == "placeholder"]
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from octavo.codegen.torch_backend import quantized_linear  # noqa: F401  (registers the octavo_torch ops)
 from octavo.codegen.torch_backend.activation import silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
 from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
@@ -19,4 +20,7 @@ KERNELS = {
     octavo.rotary_embedding.default: rotary_embedding,
     octavo.silu_and_mul.default: silu_and_mul,
     octavo.fused_pointwise.default: fused_pointwise,
+    # The reference ops are the kernels: a gather and a dequantization of the gathered rows.
+    octavo.embedding_w8.default: octavo.embedding_w8.default,
+    octavo.embedding_w4.default: octavo.embedding_w4.default,
 }

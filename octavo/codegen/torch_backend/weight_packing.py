@@ -1,0 +1,165 @@
+"""At load: choose each quantized linear's CPU kernel for this machine and pack its weights for it.
+
+The choice, measured on an AVX-512 (BF16, VNNI) Zen 5 and on the same machine with
+ATEN_CPU_CAPABILITY=avx2 (decode shapes of SmolLM2, M = 1; scripts/measure_quantization.py):
+
+- ATen's int8pack and int4pack matmuls are fast with bfloat16 activations (2-3x faster than
+  a float32 GEMM) but take a scalar path with float32 ones (10-30x slower): so they run in
+  bfloat16, and float32 activations are cast to bfloat16 for them, only where the CPU has
+  native bfloat16 (AVX512_BF16 or AMX). int4pack is also slow without AVX-512 (5x slower
+  than float32 on AVX2), so there w4 runs dequantized.
+- Everything else (float32 activations without native bfloat16, w8 with group-wise scales
+  such as GGUF's Q8_0, fp8, float16 activations) runs ``linear_dequantized``: the weight is
+  dequantized once here into the activation dtype (fp8 keeps its exact values and applies
+  the per-channel scales to the result).
+
+``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
+comparisons). The choice is logged, and returned so the executor can report it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from octavo.codegen.torch_backend.quantized_linear import INT4PACK_GROUP_SIZES, pack_int4, pack_int8
+from octavo.ir.quantized_layout import dequantize_w4, dequantize_w8
+
+logger = logging.getLogger(__name__)
+
+FORCE_KERNEL_ENV = "OCTAVO_CPU_QUANT_KERNEL"
+octavo = torch.ops.octavo
+octavo_torch = torch.ops.octavo_torch
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What the kernel choice depends on: ATen's vector ISA and native bfloat16 arithmetic."""
+
+    avx512: bool
+    native_bf16: bool
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        capability = torch.backends.cpu.get_cpu_capability()
+        avx512 = capability.startswith("AVX512")
+        bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return cls(avx512=avx512, native_bf16=avx512 and bf16)
+
+    def describe(self) -> str:
+        return f"{'avx512' if self.avx512 else 'no avx512'}, {'native' if self.native_bf16 else 'no native'} bf16"
+
+
+def choose_kernel(layout: str, group_size: int, in_features: int, activation_dtype: torch.dtype,
+                  features: CpuFeatures) -> tuple[str, torch.dtype]:
+    """(kernel, compute dtype) for one quantized linear; see the module docstring."""
+    forced = os.environ.get(FORCE_KERNEL_ENV)
+    bf16_compute = activation_dtype == torch.bfloat16 or (activation_dtype == torch.float32 and features.native_bf16)
+    if forced != "dequantized" and bf16_compute:
+        if layout == "w8" and group_size >= in_features:
+            return "int8pack", torch.bfloat16
+        if layout == "w4" and group_size in INT4PACK_GROUP_SIZES and features.avx512:
+            return "int4pack", torch.bfloat16
+    return "dequantized", activation_dtype
+
+
+def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dtype | None = None,
+                           features: CpuFeatures | None = None) -> Counter:
+    """Rewrite every octavo.linear_w8/w4/fp8 node (weights bound as get_attr) into its chosen kernel.
+
+    Returns how many linears got each "kernel (compute dtype)"; unused original weight
+    buffers are dropped.
+    """
+    activation_dtype = activation_dtype or torch.float32
+    features = features or CpuFeatures.detect()
+    choices: Counter = Counter()
+    targets = {octavo.linear_w8.default: "w8", octavo.linear_w4.default: "w4", octavo.linear_fp8.default: "fp8"}
+    for node in list(graph_module.graph.nodes):
+        layout = targets.get(node.target) if node.op == "call_function" else None
+        if layout is None:
+            continue
+        kernel, compute_dtype = _rewrite(graph_module, node, layout, activation_dtype, features)
+        choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
+    if choices:
+        _drop_unused_buffers(graph_module)
+        graph_module.recompile()
+        logger.info("quantized linears on this CPU (%s, %s activations): %s", features.describe(),
+                    str(activation_dtype).removeprefix("torch."),
+                    ", ".join(f"{count} {choice}" for choice, count in choices.items()))
+    return choices
+
+
+def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
+             features: CpuFeatures) -> tuple[str, torch.dtype]:
+    x, weight_nodes, bias, group_size = _parse(node, layout)
+    tensors = [_buffer(graph_module, weight) for weight in weight_nodes]
+    qweight = tensors[0]
+    in_features = 2 * qweight.shape[1] if layout == "w4" else qweight.shape[1]
+    kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features)
+    if kernel == "int8pack":
+        packed = pack_int8(*tensors, compute_dtype)
+        target, extra = octavo_torch.linear_int8pack.default, ()
+    elif kernel == "int4pack":
+        packed = pack_int4(*tensors, group_size, compute_dtype)
+        target, extra = octavo_torch.linear_int4pack.default, (group_size, qweight.shape[0])
+    else:
+        packed = _dequantized(layout, tensors, group_size, compute_dtype)
+        packed.setdefault("column_scales", None)
+        target, extra = octavo_torch.linear_dequantized.default, ()
+    base = weight_nodes[0].target.removesuffix("_qweight")
+    graph = graph_module.graph
+    with graph.inserting_before(node):
+        weights = [None if tensor is None else _attribute(graph_module, f"{base}_{kernel}_{role}", tensor)
+                   for role, tensor in packed.items()]
+        replacement = graph.call_function(target, (x, *weights, bias, *extra))
+    replacement.meta = dict(node.meta)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
+    return kernel, compute_dtype
+
+
+def _parse(node: Node, layout: str) -> tuple[Node, list[Node], Node | None, int | None]:
+    """(x, weight nodes, bias, group_size) of a linear_w8 / linear_w4 / linear_fp8 node."""
+    if layout == "w8":
+        x, qweight, scales, bias, group_size = node.args
+        return x, [qweight, scales], bias, group_size
+    if layout == "w4":
+        x, qweight, scales, offsets, bias, group_size = node.args
+        return x, [qweight, scales, offsets], bias, group_size
+    x, qweight, scales, bias = node.args
+    return x, [qweight, scales], bias, None
+
+
+def _dequantized(layout: str, tensors: list[torch.Tensor], group_size: int,
+                 compute_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    if layout == "fp8":
+        qweight, scales = tensors
+        # fp8 values are exact in bfloat16, float16 and float32; the scales multiply the result.
+        return {"weight": qweight.to(compute_dtype), "column_scales": scales.float()}
+    weight = dequantize_w8(*tensors, group_size) if layout == "w8" else dequantize_w4(*tensors, group_size)
+    return {"weight": weight.to(compute_dtype)}
+
+
+def _buffer(graph_module: GraphModule, node: Node) -> torch.Tensor:
+    if not isinstance(node, Node) or node.op != "get_attr":
+        raise TypeError(f"quantized linear weight {node} is not a bound weight (get_attr)")
+    return getattr(graph_module, node.target)
+
+
+def _attribute(graph_module: GraphModule, name: str, tensor: torch.Tensor) -> Node:
+    if not hasattr(graph_module, name):
+        graph_module.register_buffer(name, tensor, persistent=False)
+    return graph_module.graph.get_attr(name)
+
+
+def _drop_unused_buffers(graph_module: GraphModule) -> None:
+    for node in list(graph_module.graph.find_nodes(op="get_attr")):
+        if not node.users:
+            graph_module.graph.erase_node(node)
+            if not graph_module.graph.find_nodes(op="get_attr", target=node.target):
+                delattr(graph_module, node.target)
