@@ -21,6 +21,7 @@ from octavo.frontend.sources import ModelSource
 from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
+from octavo.passes.quant_schemes import scheme_for
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     directory comes from `config.dump_dir` or the OCTAVO_DUMP_DIR variable.
     """
     config = config or CompileConfig()
+    scheme_for(config)  # an unknown or not yet available scheme fails before any work
     if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
         config.dump_dir = os.environ[DUMP_DIR_ENV]
     if output_dir is None and config.stop_after is None:
@@ -55,7 +57,8 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     timings["trace_s"] = time.perf_counter() - start
     ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
                       architecture=model_source.architecture, fake_mode=traced.fake_mode,
-                      symbols={"T": traced.num_tokens})
+                      symbols={"T": traced.num_tokens},
+                      provided_weights=_provided_weights(model_source, traced, config))
     stage("running passes")
     start = time.perf_counter()
     graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
@@ -77,6 +80,14 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
                           overwrite=overwrite)
     logger.info("artifact written in %.1fs", time.perf_counter() - start)
     return path
+
+
+def _provided_weights(model_source: ModelSource, traced, config: CompileConfig) -> dict:
+    """The source's already quantized weights (GGUF Q8_0/Q4_0/Q4_1) by placeholder name, when quantizing."""
+    if config.quant == "none":
+        return {}
+    by_hf_name = model_source.quantized_weights()
+    return {name: by_hf_name[source] for name, source in traced.weight_sources.items() if source in by_hf_name}
 
 
 def input_specs(graph_module, ctx: PassContext) -> dict[str, tuple[torch.dtype, list]]:
@@ -118,7 +129,7 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
                    "config": model_config.to_dict()},
         "compile_options": config.output_key(),
         "dtype": config.dtype,
-        "quantization": None,
+        "quantization": ctx.quantization,
         "vocab_size": int(model_config.vocab_size),
         "max_model_len": int(getattr(model_config, "max_position_embeddings", 2048)),
         "eos_token_ids": _eos_token_ids(generation, model_source.tokenizer),

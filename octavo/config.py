@@ -10,20 +10,29 @@ from octavo.errors import OctavoError
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
+QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass
 class CompileConfig:
     """Options of `octavo compile`.
 
-    Only `dtype`, `block_size` and `disabled_passes` decide what the artifact
+    Only `dtype`, `block_size`, `disabled_passes` and the quantization options
+    (`quant`, `group_size`, `kv_cache_dtype`, `calibration`) decide what the artifact
     computes; they (with the model checksum and the versions) form the compile
     cache key. Dump and print options only change what is written for reading.
+    `group_size` None means the scheme's default; `calibration` is a text/JSONL
+    file or "default" (the project's own text) for schemes that calibrate.
     """
 
     dtype: str = "float32"
     block_size: int = DEFAULT_BLOCK_SIZE
     disabled_passes: tuple[str, ...] = ()
+    quant: str = "none"
+    group_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    calibration: str | None = None
     dump_dir: str | None = None
     stop_after: str | None = None
     print_ir_after: tuple[str, ...] = ()
@@ -36,6 +45,13 @@ class CompileConfig:
             raise OctavoError(f"block_size must be a positive power of two, got {self.block_size}")
         self.disabled_passes = tuple(self.disabled_passes)
         self.print_ir_after = tuple(self.print_ir_after)
+        if self.quant not in QUANT_SCHEMES:
+            raise OctavoError(f"unknown quantization {self.quant!r}: choose one of {', '.join(QUANT_SCHEMES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise OctavoError(f"unknown kv cache dtype {self.kv_cache_dtype!r}: choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
+            raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
 
     def output_key(self) -> dict:
         """The options that decide the artifact's contents (for the manifest and the cache key)."""
@@ -44,7 +60,32 @@ class CompileConfig:
             "block_size": self.block_size,
             "disabled_passes": sorted(self.disabled_passes),
             "stop_after": self.stop_after,
+            **self._quantization_key(),
         }
+
+    def _quantization_key(self) -> dict:
+        """Quantization options, present only when set (keeps the key of unquantized artifacts unchanged)."""
+        key: dict = {}
+        if self.quant != "none":
+            key.update(quant=self.quant, group_size=self.group_size)
+        if self.kv_cache_dtype != "auto":
+            key["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.calibration is not None:
+            key["calibration"] = _file_digest(self.calibration)
+        return key
+
+
+def _file_digest(path: str) -> str:
+    """'default' itself, or the sha256 of the calibration file's contents (a renamed file keeps its key)."""
+    import hashlib
+    from pathlib import Path
+
+    if path == "default":
+        return path
+    try:
+        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError as error:
+        raise OctavoError(f"cannot read calibration file {path}: {error}") from error
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

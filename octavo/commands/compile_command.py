@@ -6,7 +6,7 @@ import argparse
 import time
 
 from octavo.commands.common import console, error_console
-from octavo.config import CompileConfig
+from octavo.config import KV_CACHE_DTYPES, QUANT_SCHEMES, CompileConfig
 
 
 def add_parser(subparsers) -> None:
@@ -22,6 +22,15 @@ def add_parser(subparsers) -> None:
                         help="print the graph after this pass")
     parser.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass (no artifact)")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--quant", choices=QUANT_SCHEMES, default="none",
+                        help="weight quantization: w8 (int8 per channel), w4 (4-bit groups, RTN), fp8 (e4m3 per "
+                             "channel); w4-awq / w4-gptq calibrate (default: none)")
+    parser.add_argument("--group-size", type=int, default=None, help="w4/w8 group size along K (default: scheme's)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache storage: auto (the model dtype), int8 or fp8 with per-token scales")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="calibration text (plain text or JSONL with a \"text\" field) for calibrated schemes; "
+                             "default: the built-in text")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     parser.set_defaults(run=run)
 
@@ -33,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     config = CompileConfig(dtype=args.dtype, block_size=args.block_size, dump_dir=args.dump_dir,
                            disabled_passes=tuple(_split(args.disable_pass)),
                            print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,
-                           progress=True)
+                           progress=True, quant=args.quant, group_size=args.group_size,
+                           kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration)
     start = time.perf_counter()
     with console.status("loading model") as status:
         path = compile_model(args.model, args.output, config, overwrite=args.overwrite,

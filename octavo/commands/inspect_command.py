@@ -25,10 +25,12 @@ def run(args: argparse.Namespace) -> int:
                   f"octavo {manifest['octavo_version']}")
     console.print(f"model    {source['name']} ({source['model_type']}, {source['kind']}), "
                   f"sha256 {source['checksum_sha256'][:16]}")
-    console.print(f"dtype    {manifest['dtype']}, quantization {manifest.get('quantization') or 'none'}, "
+    scheme = (manifest.get("quantization") or {}).get("scheme", "none")
+    console.print(f"dtype    {manifest['dtype']}, quantization {scheme}, "
                   f"vocab {manifest['vocab_size']}, max_model_len {manifest['max_model_len']}")
     console.print(f"kv cache {layout['num_layers']} layers x {layout['num_kv_heads']} kv heads x "
                   f"{layout['head_dim']} dims, block {layout['block_size']}, {layout['cache_dtype']}")
+    _print_quantization(manifest.get("quantization"))
     signature = manifest["signature"]
     inputs = ", ".join(f"{name}: {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
                        for name, spec in signature["inputs"].items()
@@ -41,6 +43,30 @@ def run(args: argparse.Namespace) -> int:
         _print_layers(manifest["layers"])
     console.print(_passes_table(manifest["passes"]))
     return 0
+
+
+def _print_quantization(record: dict | None) -> None:
+    """Scheme, group size, where the values came from, what stayed float and why, KV cache storage."""
+    if not record:
+        return
+    if record.get("scheme", "none") != "none":
+        group = record["group_size"] or "per channel"
+        values = ", ".join(f"{count} {origin}" for origin, count in record["values"].items())
+        calibration = record.get("calibration") or "none"
+        console.print(f"quant    {record['scheme']}: {record['layout']} weights, group {group}, "
+                      f"values {values}; calibration {calibration}", markup=False)
+        for entry in (record.get("vocab") or {}).get("weights", []):
+            tied = ", tied embedding/lm_head" if entry["tied"] else ""
+            console.print(f"         {entry['weight']}: {entry['layout']} group {entry['group_size']} "
+                          f"({entry['origin']}{tied})", markup=False)
+        for entry in record["left_unquantized"]:
+            weights = entry["weights"] if isinstance(entry["weights"], str) else ", ".join(entry["weights"])
+            console.print(f"         float: {weights}: {entry['reason']}", markup=False)
+        console.print(f"         weights {record['weight_bytes_before'] / 2**20:.1f} MiB -> "
+                      f"{record['weight_bytes_after'] / 2**20:.1f} MiB", markup=False)
+    kv = record.get("kv_cache")
+    if kv:
+        console.print(f"kv quant {kv['dtype']} cache, {kv['scales']}", markup=False)
 
 
 def _ops_table(histogram: dict[str, int], show_all: bool) -> Table:

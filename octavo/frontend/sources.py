@@ -57,6 +57,17 @@ class ModelSource:
             local_files_only=True, **kwargs)
         return model.eval()
 
+    def quantized_weights(self) -> dict:
+        """Weights the file stores quantized in a layout Octavo keeps (GGUF Q8_0/Q4_0/Q4_1), by HF name.
+
+        Empty for sources without such tensors (safetensors directories hold float weights).
+        """
+        if not self.gguf_file:
+            return {}
+        from octavo.frontend.gguf_quantized import gguf_quantized_weights
+
+        return gguf_quantized_weights(self.path, self.config)
+
     def generation_config(self):
         """generation_config.json of the model, or one derived from its config."""
         from transformers import GenerationConfig

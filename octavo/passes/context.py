@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from octavo.config import CompileConfig, RankPosition
+from octavo.ir.quantized_layout import QuantizedWeight
 
 # Example sizes that back newly created symbols during fake propagation.
 _SYMBOL_HINTS = {"B": 3, "N": 3, "max_blocks": 5, "num_blocks": 17}
@@ -27,6 +28,13 @@ class PassContext:
     `rank` is set when passes prepare one rank's program of a parallel layout
     (shard_tensor_parallel, split_pipeline_stages); `pipeline_stage` is what
     split_pipeline_stages records about the stage it kept.
+
+    Quantization: `provided_weights` holds already quantized values of weights
+    (by placeholder name; GGUF import fills it) that quantize_weights stores
+    as they are; `merged_weights` records which weights a fused weight
+    concatenates (row order); `calibration` is the calibration token ids
+    (a list of lists) for calibrated schemes; `quantization` is the record
+    the quantize_* passes write for the manifest.
     """
 
     config: CompileConfig
@@ -42,6 +50,10 @@ class PassContext:
     propagation_timings: dict[str, float] = field(default_factory=dict)
     rank: RankPosition | None = None
     pipeline_stage: dict | None = None
+    provided_weights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    merged_weights: dict[str, list[str]] = field(default_factory=dict)
+    calibration: Any = None
+    quantization: dict | None = None
 
     def symbol(self, name: str) -> torch.SymInt:
         """The SymInt called `name`, created (as a fresh dynamic symbol) on first use."""

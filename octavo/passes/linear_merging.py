@@ -41,7 +41,8 @@ def merge_linears(graph_module: GraphModule, ctx: PassContext, linears: list[Nod
 
     The new weight `<common prefix><tag>_weight` is the row concatenation
     (torch.cat along dim 0) of the old weights, likewise the bias; the old
-    weight placeholders and tensors are removed. The merged linear sits
+    weight placeholders and tensors are removed (ctx.merged_weights records
+    the merged weight's parts, in order). The merged linear sits
     where the earliest of `linears` was, followed by
     `aten.split_with_sizes(merged, out_features, -1)` and one getitem per
     old linear, which takes over that linear's uses. Returns the merged node.
@@ -50,7 +51,9 @@ def merge_linears(graph_module: GraphModule, ctx: PassContext, linears: list[Nod
     weights = [linear.args[1] for linear in linears]
     biases = [linear.args[2] for linear in linears if len(linear.args) == 3 and linear.args[2] is not None]
     sizes = [int(tensor_value(weight).shape[0]) for weight in weights]
-    weight = ctx.add_weight(graph_module, merged_name(weights, tag, ctx),
+    weight_name = merged_name(weights, tag, ctx)
+    ctx.merged_weights[weight_name] = [node.name for node in weights]
+    weight = ctx.add_weight(graph_module, weight_name,
                             torch.cat([ctx.weights[node.name] for node in weights], dim=0))
     arguments = [linears[0].args[0], weight]
     if biases:

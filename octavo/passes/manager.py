@@ -32,7 +32,7 @@ def run_pipeline(graph_module: GraphModule, ctx: PassContext, pipeline: str | li
     .json / .diff. After the last pass, one full re-propagation checks every
     node's shape and dtype. Stops after ctx.config.stop_after.
     """
-    passes = resolve_pipeline(pipeline, ctx.config.disabled_passes)
+    passes = resolve_pipeline(pipeline, ctx.config.disabled_passes, ctx.config)
     _check_pass_names(ctx, passes)
     start = time.perf_counter()
     propagate_all(graph_module, ctx.fake_mode)

@@ -26,8 +26,15 @@ PASSES: dict[str, PassInfo] = {}
 
 PIPELINES: dict[str, list[str]] = {
     "default": ["canonicalize", "match_attention", "prune_logits", "fuse_rms_norm", "fuse_add_rms_norm",
-                "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope", "fuse_pointwise"],
+                "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope", "fuse_pointwise",
+                "quantize_weights", "quantize_kv_cache"],
 }
+
+OPTIONAL_PASSES: dict[str, Callable[[object], bool]] = {
+    "quantize_weights": lambda config: config.quant != "none",
+    "quantize_kv_cache": lambda config: config.kv_cache_dtype != "auto",
+}
+"""Passes that run only when the compile config asks for them (a named pipeline lists them)."""
 
 
 def register_pass(name: str, description: str, required: bool = False) -> Callable[[PassFunction], PassFunction]:
@@ -42,10 +49,17 @@ def register_pass(name: str, description: str, required: bool = False) -> Callab
     return decorate
 
 
-def resolve_pipeline(pipeline: str | list[str], disabled: tuple[str, ...] = ()) -> list[PassInfo]:
-    """The passes of a named (or explicit) pipeline minus the disabled ones, validated."""
+def resolve_pipeline(pipeline: str | list[str], disabled: tuple[str, ...] = (), config=None) -> list[PassInfo]:
+    """The passes of a named (or explicit) pipeline minus the disabled ones, validated.
+
+    A named pipeline leaves out the OPTIONAL_PASSES that `config` does not ask for.
+    """
     _ensure_passes_imported()
-    names = PIPELINES[pipeline] if isinstance(pipeline, str) else list(pipeline)
+    if isinstance(pipeline, str):
+        names = [name for name in PIPELINES[pipeline]
+                 if name not in OPTIONAL_PASSES or (config is not None and OPTIONAL_PASSES[name](config))]
+    else:
+        names = list(pipeline)
     for name in [*names, *disabled]:
         if name not in PASSES:
             raise PassError(f"unknown pass {name!r}; known passes: {', '.join(sorted(PASSES))}")

@@ -1,0 +1,113 @@
+"""Weight quantization schemes: what each `--quant` option does to linears, the embedding and lm_head.
+
+A scheme is the plug-in point of quantize_weights. The pass asks the scheme, in order:
+
+1. ``prepare(graph_module, ctx)``: transform float weights before anything is quantized.
+   It may rewrite ``ctx.weights`` in place as long as the graph computes the same function
+   in exact arithmetic; AWQ folds its per-input-channel scales here (``W[:, j] *= s[j]`` on
+   the linears that read a norm's output, ``norm_weight[j] /= s[j]`` on that norm).
+2. ``quantize_linear(name, weight, ctx)`` for every linear weight (after fusion, so one call
+   per fused qkv / gate_up weight) that has no value supplied in ``ctx.provided_weights``:
+   returns the QuantizedWeight to store. RTN by default; calibrated schemes return their own
+   already computed values (scales, zeros, packed q) here.
+3. ``quantize_vocab(name, weight, ctx)`` for the embedding table and lm_head (tied or not).
+
+Registering a scheme: ``register_scheme("w4-awq", factory)`` where ``factory(config)``
+returns a QuantScheme (subclass); that also removes the name from NOT_YET_AVAILABLE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.fx import GraphModule
+
+from octavo.config import CompileConfig
+from octavo.errors import OctavoError
+from octavo.ir.quantized_layout import FP8, W4, W8, QuantizedWeight
+from octavo.passes.quantize_rtn import quantize_fp8, quantize_w4, quantize_w8
+
+DEFAULT_W4_GROUP_SIZE = 32
+"""Chosen by measurement on SmolLM2 (perplexity and size per group size): see quantize_weights' docstring."""
+
+VOCAB_REASON = (
+    "the embedding table and the lm_head (one tensor when tied) are stored as int8 with one scale per "
+    "vocabulary row: they hold a fifth of SmolLM2's weights, so leaving them in float misses the size "
+    "targets, while 4 bits on the output projection costs more perplexity than on any other linear")
+
+
+@dataclass
+class QuantScheme:
+    """RTN quantization into ``layout`` (w8, w4 or fp8); embedding and lm_head per ``vocab_layout``.
+
+    ``group_size`` None means one scale per output channel (w8); ``vocab_layout`` None leaves
+    the embedding and lm_head in float. ``calibrated`` schemes read ``ctx.calibration``.
+    """
+
+    name: str
+    layout: str
+    group_size: int | None
+    vocab_layout: str | None = W8
+    vocab_reason: str = VOCAB_REASON
+    calibrated: bool = False
+
+    def prepare(self, graph_module: GraphModule, ctx) -> None:
+        """Pre-transforms of float weights (none for RTN)."""
+
+    def quantize_linear(self, name: str, weight: Tensor, ctx) -> QuantizedWeight:
+        return rtn(self.layout, weight, self.group_size)
+
+    def quantize_vocab(self, name: str, weight: Tensor, ctx) -> QuantizedWeight:
+        return rtn(self.vocab_layout, weight, None)
+
+    def describe(self) -> dict:
+        return {"scheme": self.name, "layout": self.layout, "group_size": self.group_size,
+                "calibrated": self.calibrated}
+
+
+def rtn(layout: str, weight: Tensor, group_size: int | None) -> QuantizedWeight:
+    """RTN of ``weight`` into ``layout``; w4 needs a group size, w8 takes None for per-channel."""
+    if layout == W8:
+        return quantize_w8(weight, group_size)
+    if layout == W4:
+        return quantize_w4(weight, group_size or DEFAULT_W4_GROUP_SIZE)
+    if layout == FP8:
+        return quantize_fp8(weight)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+SchemeFactory = Callable[[CompileConfig], QuantScheme]
+
+SCHEMES: dict[str, SchemeFactory] = {
+    "w8": lambda config: QuantScheme("w8", W8, config.group_size),
+    "w4": lambda config: QuantScheme("w4", W4, config.group_size or DEFAULT_W4_GROUP_SIZE),
+    "fp8": lambda config: QuantScheme("fp8", FP8, None),
+}
+
+NOT_YET_AVAILABLE = {
+    "w4-awq": "AWQ (activation-aware scales searched on calibration text)",
+    "w4-gptq": "GPTQ (Hessian-based rounding with error feedback)",
+}
+
+
+def register_scheme(name: str, factory: SchemeFactory) -> None:
+    """Make ``--quant name`` available (see the module docstring)."""
+    SCHEMES[name] = factory
+    NOT_YET_AVAILABLE.pop(name, None)
+
+
+def scheme_for(config: CompileConfig) -> QuantScheme | None:
+    """The scheme of ``config.quant`` (None for "none"); a clear error for schemes not yet built."""
+    if config.quant == "none":
+        return None
+    if config.quant in SCHEMES:
+        if config.group_size is not None and config.quant == "fp8":
+            raise OctavoError("fp8 uses one scale per output channel: --group-size does not apply")
+        return SCHEMES[config.quant](config)
+    if config.quant in NOT_YET_AVAILABLE:
+        raise OctavoError(f"--quant {config.quant} is not yet available in this version of Octavo: "
+                          f"{NOT_YET_AVAILABLE[config.quant]} is being built; use --quant w4 (round to nearest) "
+                          "meanwhile")
+    raise OctavoError(f"unknown quantization scheme {config.quant!r}; available: {', '.join(sorted(SCHEMES))}")

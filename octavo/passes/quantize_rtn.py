@@ -1,0 +1,87 @@
+"""Round-to-nearest (RTN) quantization of a float weight into the portable layouts.
+
+No calibration: each group's scale comes from the weight's own range. Calibrated schemes
+(AWQ, GPTQ) reuse these functions on transformed weights, or build their own values.
+
+- w8: symmetric, ``scale = max|w| / 127`` per group (per row when group_size is None),
+  ``q = clamp(round_half_even(w / scale), -127, 127)``; float32 scales.
+- w4: asymmetric min/max, ``offset = min(w)``, ``scale = (max(w) - min(w)) / 15`` per
+  group, both rounded to the scale dtype first (float16 unless the weight's range needs
+  float32), then ``q = clamp(round_half_even((w - offset) / scale), 0, 15)`` with those
+  rounded values, so the stored tensors reproduce w within half a step plus the rounding
+  of offset. The same form as GGUF's Q4_1.
+- fp8: ``scale = max|w| / 448`` per row (448 is float8_e4m3fn's largest finite value),
+  ``q = (w / scale)`` cast to float8_e4m3fn (round to nearest even); float32 scales.
+
+All-zero groups get scale 1 (w8, fp8) or 0 (w4, whose offset then holds the value).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from octavo.ir.quantized_layout import FP8, FP8_DTYPE, W4, W8, QuantizedWeight, pack_int4
+
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+_FLOAT16_SAFE = 6.0e4  # below float16's largest finite value (65504), with room for (max - min)
+
+
+def quantize_w8(weight: Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 RTN; group_size None means one scale per output channel."""
+    weight = weight.float()
+    group = group_size or weight.shape[1]
+    grouped = _grouped(weight, group)
+    scales = grouped.abs().amax(-1) / 127.0
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(grouped / scales.unsqueeze(-1)).clamp(-127, 127)
+    qweight = _ungrouped(q, weight.shape[1]).to(torch.int8)
+    return QuantizedWeight(W8, qweight, scales.contiguous(), None, group)
+
+
+def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """Asymmetric 4-bit RTN with min/max range per group (K must be even)."""
+    weight = weight.float()
+    if weight.shape[1] % 2:
+        raise ValueError(f"w4 needs an even number of input features, got {weight.shape[1]}")
+    grouped = _grouped(weight, group_size)
+    low = grouped.amin(-1)
+    high = grouped.amax(-1)
+    if scale_dtype is None:
+        finite16 = bool(torch.maximum(low.abs(), high.abs()).max() < _FLOAT16_SAFE) if low.numel() else True
+        scale_dtype = torch.float16 if finite16 else torch.float32
+    offsets = low.to(scale_dtype)
+    scales = ((high - low) / 15.0).to(scale_dtype)
+    safe_scales = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    q = torch.round((grouped - offsets.float().unsqueeze(-1)) / safe_scales.unsqueeze(-1)).clamp(0, 15)
+    q = torch.where((scales == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    qweight = pack_int4(_ungrouped(q, weight.shape[1]).to(torch.uint8))
+    return QuantizedWeight(W4, qweight, scales.contiguous(), offsets.contiguous(), group_size)
+
+
+def quantize_fp8(weight: Tensor) -> QuantizedWeight:
+    """float8_e4m3fn with one float32 scale per output channel."""
+    weight = weight.float()
+    scales = weight.abs().amax(1) / FP8_MAX
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    qweight = (weight / scales.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return QuantizedWeight(FP8, qweight, scales.contiguous())
+
+
+def _grouped(weight: Tensor, group_size: int) -> Tensor:
+    """[N, K] -> [N, G, group_size]; the last group is padded by repeating its first column.
+
+    Repeating a real value of the group (rather than padding zeros) leaves the group's
+    min, max and max|w| unchanged, so a short last group gets the range of its own columns.
+    """
+    rows, columns = weight.shape
+    groups = -(-columns // group_size)
+    missing = groups * group_size - columns
+    if missing:
+        first_of_last = weight[:, (groups - 1) * group_size:(groups - 1) * group_size + 1]
+        weight = torch.cat([weight, first_of_last.expand(rows, missing)], dim=1)
+    return weight.reshape(rows, groups, group_size)
+
+
+def _ungrouped(grouped: Tensor, columns: int) -> Tensor:
+    return grouped.reshape(grouped.shape[0], -1)[:, :columns]
