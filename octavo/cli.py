@@ -1,4 +1,4 @@
-"""The `octavo` command line: compile | generate | chat | inspect | bench | demo | serve."""
+"""The `octavo` command line: compile | generate | chat | inspect | bench | eval | demo | serve."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from octavo.errors import OctavoError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from octavo.commands import bench_command, compile_command, generate_command, inspect_command
+    from octavo.commands import bench_command, compile_command, eval_command, generate_command, inspect_command
 
     parser = argparse.ArgumentParser(prog="octavo", description="Compile and serve causal language models.")
     parser.add_argument("--version", action="version", version=f"octavo {__version__}")
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_command.add_parsers(subparsers)
     inspect_command.add_parser(subparsers)
     bench_command.add_parser(subparsers)
+    eval_command.add_parser(subparsers)
     _add_serve_parser(subparsers)
     return parser
 

@@ -18,6 +18,7 @@ from octavo.config import CompileConfig
 from octavo.errors import OctavoError
 from octavo.frontend import load_model, trace
 from octavo.frontend.sources import ModelSource
+from octavo.frontend.trace import TracedModel
 from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
@@ -38,14 +39,7 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     pipeline early (then only dumps / printed IR are produced). The dump
     directory comes from `config.dump_dir` or the OCTAVO_DUMP_DIR variable.
     """
-    config = config or CompileConfig()
-    scheme_for(config)  # an unknown or not yet available scheme fails before any work
-    if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
-        config.dump_dir = os.environ[DUMP_DIR_ENV]
-    if output_dir is None and config.stop_after is None:
-        raise OctavoError("an output directory is required (-o DIR)")
-    if output_dir is not None:
-        check_output_dir(output_dir, overwrite)
+    config = _checked_config(config, output_dir, overwrite)
     stage = on_stage or (lambda message: logger.info(message))
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -55,6 +49,52 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     start = time.perf_counter()
     traced = trace(model_source, config.dtype)
     timings["trace_s"] = time.perf_counter() - start
+    return _compile_traced(model_source, traced, output_dir, config, timings, overwrite, on_print_ir, stage)
+
+
+def compile_variants(source: str | os.PathLike | ModelSource,
+                     variants: list[tuple[str | os.PathLike, CompileConfig]], *, overwrite: bool = False,
+                     on_stage: Callable[[str], None] | None = None) -> list[Path]:
+    """Compile several artifacts of one model (e.g. fp32, w8, w4), tracing it once per dtype.
+
+    Each artifact is exactly what compile_model writes for its config: the passes run on a
+    fresh copy of the traced graph, so only the trace (which depends on the model and the
+    dtype alone) is shared.
+    """
+    stage = on_stage or (lambda message: logger.info(message))
+    start = time.perf_counter()
+    model_source = source if isinstance(source, ModelSource) else load_model(source)
+    load_seconds = time.perf_counter() - start
+    traces: dict[str, TracedModel] = {}
+    paths = []
+    for output_dir, config in variants:
+        config = _checked_config(config, output_dir, overwrite)
+        timings = {"load_source_s": load_seconds}
+        start = time.perf_counter()
+        if config.dtype not in traces:
+            stage(f"tracing {model_source.name} ({model_source.config.model_type}, {config.dtype})")
+            traces[config.dtype] = trace(model_source, config.dtype)
+        traced = traces[config.dtype].copy()
+        timings["trace_s"] = time.perf_counter() - start
+        paths.append(_compile_traced(model_source, traced, output_dir, config, timings, overwrite, None, stage))
+    return paths
+
+
+def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -> CompileConfig:
+    config = config or CompileConfig()
+    scheme_for(config)  # an unknown or not yet available scheme fails before any work
+    if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
+        config.dump_dir = os.environ[DUMP_DIR_ENV]
+    if output_dir is None and config.stop_after is None:
+        raise OctavoError("an output directory is required (-o DIR)")
+    if output_dir is not None:
+        check_output_dir(output_dir, overwrite)
+    return config
+
+
+def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, config: CompileConfig,
+                    timings: dict[str, float], overwrite: bool, on_print_ir, stage) -> Path | None:
+    """Passes on a traced graph, then the artifact (see compile_model)."""
     ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
                       architecture=model_source.architecture, fake_mode=traced.fake_mode,
                       symbols={"T": traced.num_tokens},

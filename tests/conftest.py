@@ -99,6 +99,25 @@ def tiny_mqa_artifact(tmp_path_factory, tokenizer_dir) -> Path:
                          CompileConfig(disabled_passes=("fuse_qkv", "fuse_gate_up")))
 
 
+@pytest.fixture(scope="session")
+def tiny_quantized_artifact(tmp_path_factory, tiny_model_dir):
+    """Factory: a compiled artifact of a tiny model with quantization options, e.g. ("llama", quant="w4")."""
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    made: dict[tuple, Path] = {}
+
+    def build(model_type: str, **options) -> Path:
+        key = (model_type, *sorted(options.items()))
+        if key not in made:
+            name = "-".join(f"{value}" for value in options.values())
+            output = tmp_path_factory.mktemp(f"artifact-{model_type}-{name}") / "artifact"
+            made[key] = compile_model(tiny_model_dir(model_type), output, CompileConfig(**options))
+        return made[key]
+
+    return build
+
+
 @dataclass
 class CompileRun:
     artifact: Path

@@ -9,6 +9,8 @@ from rich.table import Table
 from octavo.commands.common import console
 from octavo.runtime.loader import read_manifest
 
+_POOL_ROLES = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("inspect", help="summarize an artifact: model, signature, ops, passes")
@@ -34,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
     signature = manifest["signature"]
     inputs = ", ".join(f"{name}: {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
                        for name, spec in signature["inputs"].items()
-                       if spec["role"] not in ("key_cache", "value_cache"))
-    console.print(f"inputs   {inputs} + {2 * layout['num_layers']} cache pools")
+                       if spec["role"] not in _POOL_ROLES)
+    pools = sum(spec["role"] in _POOL_ROLES for spec in signature["inputs"].values())
+    console.print(f"inputs   {inputs} + {pools} cache pools")
     console.print(f"weights  {signature['num_weights']} tensors, {signature['weight_bytes'] / 2**20:.1f} MiB")
     console.print(f"graph    {manifest['node_count']} nodes")
     console.print(_ops_table(manifest["op_histogram"], args.all_ops))

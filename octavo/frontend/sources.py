@@ -42,6 +42,7 @@ class ModelSource:
     checksum: str
     gguf_file: str | None = None
     _generation_config: object = field(default=None, repr=False)
+    _quantized_weights: dict | None = field(default=None, repr=False)
 
     @property
     def directory(self) -> Path:
@@ -64,9 +65,11 @@ class ModelSource:
         """
         if not self.gguf_file:
             return {}
-        from octavo.frontend.gguf_quantized import gguf_quantized_weights
+        if self._quantized_weights is None:
+            from octavo.frontend.gguf_quantized import gguf_quantized_weights
 
-        return gguf_quantized_weights(self.path, self.config)
+            self._quantized_weights = gguf_quantized_weights(self.path, self.config)
+        return self._quantized_weights
 
     def generation_config(self):
         """generation_config.json of the model, or one derived from its config."""

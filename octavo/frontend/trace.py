@@ -36,6 +36,13 @@ class TracedModel:
     weight_sources: dict[str, str]
     fake_mode: object
     num_tokens: torch.SymInt
+    program: torch.export.ExportedProgram | None = None
+
+    def copy(self) -> TracedModel:
+        """A fresh graph over the same exported program (weights shared: passes replace tensors, never write them)."""
+        if self.program is None:
+            raise OctavoError("this traced model keeps no exported program to copy")
+        return _rename_inputs(self.program)
 
 
 class _FlatTokenCausalLM(torch.nn.Module):
@@ -112,7 +119,7 @@ def _rename_inputs(program: torch.export.ExportedProgram) -> TracedModel:
         env[node] = new_graph.node_copy(node, lambda n: env[n])
     graph_module = GraphModule(torch.nn.Module(), new_graph)
     fake_value = env[placeholders["input_ids"]].meta["val"]
-    return TracedModel(graph_module, weights, sources, fake_value.fake_mode, fake_value.shape[0])
+    return TracedModel(graph_module, weights, sources, fake_value.fake_mode, fake_value.shape[0], program)
 
 
 def _weight_value(program: torch.export.ExportedProgram, spec) -> torch.Tensor:

@@ -11,6 +11,7 @@ from octavo.passes import (  # noqa: F401
     fuse_rope,
     match_attention,
     prune_logits,
+    quantize_kv_cache,
     quantize_weights,
     shard_tensor_parallel,
     split_pipeline_stages,

@@ -151,7 +151,9 @@ def _quantize(weight: Node, is_vocab: bool, scheme: QuantScheme,
     if layout == W4 and tensor.shape[1] % 2:
         return None, "w4 needs an even number of input features"
     provided = provided_value(weight.name, ctx)
-    if provided is not None and provided.layout == layout:
+    # An explicit --group-size other than the supplied values' asks for new values.
+    if provided is not None and provided.layout == layout and (
+            is_vocab or ctx.config.group_size in (None, provided.group_size)):
         return provided, ""
     if provided is not None:
         logger.info("%s: supplied as %s, which is not %s: quantized again from its float values",

@@ -53,6 +53,10 @@ class LLMEngine:
         manifest = self.artifact.manifest
         self.device = resolve_device(self.config.device)
         self.backend = resolve_backend(self.config.backend, self.device)
+        if self.backend == "triton":
+            from octavo.codegen.triton_backend.availability import check_triton_kv_layout
+
+            check_triton_kv_layout(manifest["kv_layout"])
         self.tokenizer = self.artifact.tokenizer
         self.eos_token_ids = self.artifact.eos_token_ids
         self.vocab_size = manifest["vocab_size"]

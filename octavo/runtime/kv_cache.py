@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import psutil
 import torch
@@ -23,6 +24,9 @@ class KVCache:
     The pools are allocated uninitialized: memory is committed as blocks are
     first written, and kernels never let a slot that was not written this
     sequence's lifetime influence a result (they mask by sequence length).
+    A quantized cache (kv_layout "scale_inputs") also has, per layer, key and
+    value scale pools [num_blocks, block_size, num_kv_heads] of "scale_dtype";
+    they are graph inputs like the caches and move with their blocks.
     """
 
     def __init__(self, kv_layout: dict, num_blocks: int, device: torch.device, num_host_blocks: int = 0):
@@ -31,16 +35,14 @@ class KVCache:
         self.num_host_blocks = num_host_blocks
         self.block_size = kv_layout["block_size"]
         self.device = device
-        dtype = getattr(torch, kv_layout["cache_dtype"])
-        block_shape = (self.block_size, kv_layout["num_kv_heads"], kv_layout["head_dim"])
-        names = [name for pair in kv_layout["cache_inputs"] for name in pair]
-        self.tensors: dict[str, torch.Tensor] = {
-            name: torch.empty((num_blocks, *block_shape), dtype=dtype, device=device) for name in names}
+        pools = pool_shapes(kv_layout)
+        self.tensors: dict[str, torch.Tensor] = {name: torch.empty((num_blocks, *shape), dtype=dtype, device=device)
+                                                 for name, (shape, dtype) in pools.items()}
         # The host pool that swap preemption copies to: pinned on CUDA, a second CPU pool on CPU.
         pin = device.type == "cuda"
         self.host_tensors: dict[str, torch.Tensor] = {
-            name: torch.empty((num_host_blocks, *block_shape), dtype=dtype, pin_memory=pin)
-            for name in names} if num_host_blocks else {}
+            name: torch.empty((num_host_blocks, *shape), dtype=dtype, pin_memory=pin)
+            for name, (shape, dtype) in pools.items()} if num_host_blocks else {}
 
     @property
     def num_bytes(self) -> int:
@@ -51,6 +53,7 @@ class KVCache:
         if pairs:
             source, destination = self._indices(pairs, self.device)
             for tensor in self.tensors.values():
+                tensor = _copyable(tensor)
                 tensor.index_copy_(0, destination, tensor.index_select(0, source))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -59,7 +62,8 @@ class KVCache:
             device_ids, host_ids = self._indices(pairs, self.device)
             host_ids = host_ids.cpu()
             for name, tensor in self.tensors.items():
-                self.host_tensors[name].index_copy_(0, host_ids, tensor.index_select(0, device_ids).cpu())
+                blocks = _copyable(tensor).index_select(0, device_ids).cpu()
+                _copyable(self.host_tensors[name]).index_copy_(0, host_ids, blocks)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs: copy host contents back into the device pool."""
@@ -67,8 +71,9 @@ class KVCache:
             host_ids, device_ids = self._indices(pairs, torch.device("cpu"))
             device_ids = device_ids.to(self.device)
             for name, tensor in self.tensors.items():
-                blocks = self.host_tensors[name].index_select(0, host_ids).to(self.device, non_blocking=True)
-                tensor.index_copy_(0, device_ids, blocks)
+                host = _copyable(self.host_tensors[name])
+                blocks = host.index_select(0, host_ids).to(self.device, non_blocking=True)
+                _copyable(tensor).index_copy_(0, device_ids, blocks)
 
     @staticmethod
     def _indices(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,11 +81,25 @@ class KVCache:
         return table[:, 0], table[:, 1]
 
 
+def pool_shapes(kv_layout: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every pool's per-block shape and dtype, by graph input name: caches, then scale pools (if quantized)."""
+    block_size, heads = kv_layout["block_size"], kv_layout["num_kv_heads"]
+    cache = ((block_size, heads, kv_layout["head_dim"]), getattr(torch, kv_layout["cache_dtype"]))
+    pools = {name: cache for pair in kv_layout["cache_inputs"] for name in pair}
+    if kv_layout.get("scale_inputs"):
+        scale = ((block_size, heads), getattr(torch, kv_layout["scale_dtype"]))
+        pools.update({name: scale for pair in kv_layout["scale_inputs"] for name in pair})
+    return pools
+
+
 def bytes_per_block(kv_layout: dict) -> int:
-    """Bytes of one block across all layers, keys and values."""
-    itemsize = torch.empty((), dtype=getattr(torch, kv_layout["cache_dtype"])).element_size()
-    per_layer = kv_layout["block_size"] * kv_layout["num_kv_heads"] * kv_layout["head_dim"] * itemsize
-    return 2 * kv_layout["num_layers"] * per_layer
+    """Bytes of one block across all layers, keys and values (and their scales)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in pool_shapes(kv_layout).values())
+
+
+def _copyable(tensor: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no float8 kernel: move float8 blocks as the bytes they are.
+    return tensor.view(torch.int8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
 def choose_num_blocks(kv_layout: dict, memory_bytes: int | None, num_blocks: int | None,

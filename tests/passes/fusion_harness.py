@@ -21,6 +21,7 @@ from octavo.frontend.architectures import architecture_for
 from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import count_ops, op_histogram
 from octavo.passes import PassContext, run_pipeline
+from octavo.runtime.kv_cache import pool_shapes
 from tests.tiny_models import make_tiny_model
 
 BASE_PASSES = ["canonicalize", "match_attention", "prune_logits"]
@@ -112,10 +113,10 @@ def run_steps(compiled: Compiled, graph_module: GraphModule | None = None,
     layout = compiled.ctx.kv_layout
     lowered = lower_graph(clone_graph(graph_module or compiled.graph_module), "torch")
     weights = weights or compiled.ctx.weights
-    cache_dtype = getattr(torch, layout["cache_dtype"])
     num_blocks = BLOCKS_PER_SEQUENCE * 3
-    caches = {name: torch.zeros(num_blocks, BLOCK_SIZE, layout["num_kv_heads"], layout["head_dim"],
-                                dtype=cache_dtype) for pair in layout["cache_inputs"] for name in pair}
+    # Every pool the layout names: the caches, and their scale pools when the cache is quantized.
+    caches = {name: torch.zeros(num_blocks, *shape, dtype=dtype)
+              for name, (shape, dtype) in pool_shapes(layout).items()}
     generator = torch.Generator().manual_seed(0)
     lengths = [0, 0, 0]
     results = []

@@ -23,4 +23,9 @@ KERNELS = {
     # The reference ops are the kernels: a gather and a dequantization of the gathered rows.
     octavo.embedding_w8.default: octavo.embedding_w8.default,
     octavo.embedding_w4.default: octavo.embedding_w4.default,
+    # Quantized linears whose weights are bound get packed kernels at load (weight_packing); a graph run with
+    # weights as inputs runs the reference (dequantize, then a float32 matmul).
+    octavo.linear_w8.default: octavo.linear_w8.default,
+    octavo.linear_w4.default: octavo.linear_w4.default,
+    octavo.linear_fp8.default: octavo.linear_fp8.default,
 }

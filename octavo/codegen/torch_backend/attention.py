@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from octavo.ir.ops.attention import quantize_cache_vectors
+
 
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                    scale: float, sliding_window: int = -1) -> Tensor:
+                    scale: float, sliding_window: int = -1, key_scale_cache: Tensor | None = None,
+                    value_scale_cache: Tensor | None = None) -> Tensor:
     """Same semantics as octavo.ir.ops.attention.paged_attention (see its docstring).
 
     Sequences with one query token (decodes) are computed together: their
@@ -18,51 +21,74 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
     (prefix caching) are read once instead (cascade attention, see
     _cascade_decode_attention). Sequences with several query tokens
     (prefill chunks, speculative verification) each run one SDPA call
-    over their gathered context.
+    over their gathered context. With scale caches (int8/fp8 caches) every
+    read dequantizes the gathered vectors; cascade attention is not used then.
     """
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scale_cache, value_scale_cache)
+    scales = (key_scale_cache, value_scale_cache)
     output = query.new_empty(query.shape[:-1] + value.shape[-1:])
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     single = (query_lens == 1).nonzero().flatten()
     if single.numel():
         rows = query_start_loc[single].long()
         output[rows] = _decode_attention(query[rows], key_cache, value_cache, block_tables[single],
-                                         seq_lens[single], scale, sliding_window)
+                                         seq_lens[single], scale, sliding_window, scales)
     multi = (query_lens > 1).nonzero().flatten().tolist()
     if multi:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         for b in multi:
             start, end = starts[b], starts[b + 1]
             output[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end], key_cache,
-                                                   value_cache, block_tables[b], lens[b], scale, sliding_window)
+                                                   value_cache, block_tables[b], lens[b], scale, sliding_window,
+                                                   scales)
     return output
 
 
-def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
-    """key/value [T, Hkv, D] -> cache slots `slot_mapping` (negative slots are skipped)."""
+def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+                   key_scale_cache: Tensor | None = None, value_scale_cache: Tensor | None = None) -> None:
+    """key/value [T, Hkv, D] -> cache slots `slot_mapping` (negative slots are skipped), quantized when scaled."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for x, cache, scale_cache in ((key, key_cache, key_scale_cache), (value, value_cache, value_scale_cache)):
+        if scale_cache is None:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+            continue
+        quantized, vector_scales = quantize_cache_vectors(x, cache.dtype)
+        # index_copy_ has no float8 kernel: write the bytes through an int8 view of the same memory.
+        cache.view(-1, *cache.shape[2:]).view(torch.int8).index_copy_(0, slot_mapping, quantized.view(torch.int8))
+        scale_cache.view(-1, scale_cache.shape[2]).index_copy_(0, slot_mapping, vector_scales)
 
 
-def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
-    """The first `num_tokens` cached tokens of one sequence: [num_tokens, Hkv, D]."""
+def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int, scale_cache: Tensor | None = None) -> Tensor:
+    """The first `num_tokens` cached tokens of one sequence: [num_tokens, Hkv, D] (float32 when dequantized)."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+    blocks = block_table[:num_blocks].long()
+    values = cache[blocks].flatten(0, 1)[:num_tokens]
+    if scale_cache is None:
+        return values
+    return values.float() * scale_cache[blocks].flatten(0, 1)[:num_tokens].unsqueeze(-1)
+
+
+def _gather_slots(cache: Tensor, scale_cache: Tensor | None, slots: Tensor) -> Tensor:
+    """Cached vectors at flat slot indices `slots` (any shape): [*slots.shape, Hkv, D], dequantized when scaled."""
+    values = cache.view(-1, *cache.shape[2:])[slots]
+    if scale_cache is None:
+        return values
+    return values.float() * scale_cache.view(-1, scale_cache.shape[2])[slots].unsqueeze(-1)
 
 
 def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                       block_table: Tensor, seq_len: int, scale: float, sliding_window: int) -> Tensor:
+                       block_table: Tensor, seq_len: int, scale: float, sliding_window: int,
+                       scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
     q_len = query.shape[0]
-    if q_len == seq_len and key.dtype == key_cache.dtype:
+    if q_len == seq_len and key.dtype == key_cache.dtype and scales[0] is None:
         # The chunk is the whole context, just written to the cache unchanged: read it from the inputs.
         keys, values = key, value
     else:
-        keys = gather_context(key_cache, block_table, seq_len)
-        values = gather_context(value_cache, block_table, seq_len)
+        keys = gather_context(key_cache, block_table, seq_len, scales[0])
+        values = gather_context(value_cache, block_table, seq_len, scales[1])
     # SDPA layout [1, heads, tokens, dim]; enable_gqa lets each kv head serve its group without a repeat.
     q = query.transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0).to(query.dtype)
@@ -80,7 +106,8 @@ def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Ten
 
 
 def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                      seq_lens: Tensor, scale: float, sliding_window: int) -> Tensor:
+                      seq_lens: Tensor, scale: float, sliding_window: int,
+                      scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its whole context: [B, Hq, D].
 
     When at least two float32 sequences share leading full blocks (prefix caching) and there is no
@@ -92,7 +119,7 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     # Cascade computes in float32 with its own summation order: exact for float32 queries, but in
     # bf16/fp16 it rounds differently from the SDPA kernel (which Hugging Face runs too) and flips
     # near-tied greedy choices, so reduced precision keeps the single SDPA pass.
-    if batch >= 2 and sliding_window <= 0 and query.dtype == torch.float32:
+    if batch >= 2 and sliding_window <= 0 and query.dtype == torch.float32 and scales[0] is None:
         shared_blocks = shared_prefix_blocks(block_tables, seq_lens, block_size)
         if shared_blocks:
             return _cascade_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -110,8 +137,8 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     blocks = block_tables.long().gather(1, read_positions // block_size)
     slots = blocks * block_size + read_positions % block_size
     # [B, Hkv, L, D]: each sequence's context, padded to the longest.
-    keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(query.dtype)
-    values = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).to(query.dtype)
+    keys = _gather_slots(key_cache, scales[0], slots).transpose(1, 2).to(query.dtype)
+    values = _gather_slots(value_cache, scales[1], slots).transpose(1, 2).to(query.dtype)
     allowed = written
     if sliding_window > 0:
         allowed = allowed & (positions > lengths - 1 - sliding_window)

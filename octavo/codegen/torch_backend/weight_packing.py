@@ -81,8 +81,8 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
     targets = {octavo.linear_w8.default: "w8", octavo.linear_w4.default: "w4", octavo.linear_fp8.default: "fp8"}
     for node in list(graph_module.graph.nodes):
         layout = targets.get(node.target) if node.op == "call_function" else None
-        if layout is None:
-            continue
+        if layout is None or not _bound(node):
+            continue  # weights passed as graph inputs cannot be packed: the node runs the reference op
         kernel, compute_dtype = _rewrite(graph_module, node, layout, activation_dtype, features)
         choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
     if choices:
@@ -143,6 +143,11 @@ def _dequantized(layout: str, tensors: list[torch.Tensor], group_size: int,
         return {"weight": qweight.to(compute_dtype), "column_scales": scales.float()}
     weight = dequantize_w8(*tensors, group_size) if layout == "w8" else dequantize_w4(*tensors, group_size)
     return {"weight": weight.to(compute_dtype)}
+
+
+def _bound(node: Node) -> bool:
+    """Whether the node's weight tensors are bound to the module (get_attr), as the executor binds them."""
+    return all(isinstance(arg, Node) and arg.op == "get_attr" for arg in node.args[1:3])
 
 
 def _buffer(graph_module: GraphModule, node: Node) -> torch.Tensor:

@@ -46,3 +46,11 @@ def rows_per_program(block_columns: int, num_rows: int) -> int:
 
 def _next_power_of_2(value: int) -> int:
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+def check_triton_kv_layout(kv_layout: dict) -> None:
+    """Raise OctavoError when the artifact's KV cache needs kernels the Triton backend lacks (int8 / fp8 caches)."""
+    if kv_layout.get("scale_inputs"):
+        from octavo.codegen.triton_backend.paged_attention import QUANTIZED_CACHE_ERROR
+
+        raise OctavoError(f"{QUANTIZED_CACHE_ERROR} (this artifact's cache is {kv_layout['cache_dtype']})")

@@ -26,4 +26,9 @@ TRITON_OPS: dict[str, TritonOp] = {
     "silu_and_mul": TritonOp("activation", "silu_and_mul", ("activation.py",)),
     "gelu_and_mul": TritonOp("activation", "gelu_and_mul", ("activation.py",)),
     "fused_pointwise": TritonOp("fused_pointwise", "fused_pointwise", ()),
+    "linear_w8": TritonOp("quantized_linear", "linear_w8", ("quantized_linear.py",)),
+    "linear_w4": TritonOp("quantized_linear", "linear_w4", ("quantized_linear.py",)),
+    "linear_fp8": TritonOp("quantized_linear", "linear_fp8", ("quantized_linear.py",)),
+    "embedding_w8": TritonOp("quantized_linear", "embedding_w8", ()),
+    "embedding_w4": TritonOp("quantized_linear", "embedding_w4", ()),
 }

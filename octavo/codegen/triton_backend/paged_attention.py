@@ -16,12 +16,23 @@ from torch import Tensor
 from octavo.codegen.triton_backend.attention_decode import decode_attention
 from octavo.codegen.triton_backend.attention_prefill import prefill_attention
 from octavo.codegen.triton_backend.kv_cache_write import write_kv_cache
+from octavo.errors import OctavoError
+
+QUANTIZED_CACHE_ERROR = ("the Triton backend has no int8/fp8 KV cache kernels yet: run this artifact with --backend "
+                         "torch, or compile it without --kv-cache-dtype")
 
 
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
-                    scale: float, sliding_window: int = -1) -> Tensor:
-    """Same semantics as octavo.ir.ops.attention.paged_attention; returns [T, Hq, D] in query's dtype."""
+                    scale: float, sliding_window: int = -1, key_scale_cache: Tensor | None = None,
+                    value_scale_cache: Tensor | None = None) -> Tensor:
+    """Same semantics as octavo.ir.ops.attention.paged_attention; returns [T, Hq, D] in query's dtype.
+
+    Quantized (int8 / fp8) caches are not supported (the engine refuses such an artifact on this backend at load,
+    see availability.check_triton_kv_layout).
+    """
+    if key_scale_cache is not None or value_scale_cache is not None:
+        raise OctavoError(QUANTIZED_CACHE_ERROR)
     if key.shape[-1] != value.shape[-1] or key_cache.stride() != value_cache.stride():
         raise ValueError("the Triton paged attention needs keys and values of one head dim and cache layout")
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -39,3 +50,4 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
         prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                           sliding_window, output)
     return output
+

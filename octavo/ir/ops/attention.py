@@ -19,6 +19,8 @@ def paged_attention(
     query_start_loc: Tensor,
     scale: float,
     sliding_window: int = -1,
+    key_scale_cache: Tensor | None = None,
+    value_scale_cache: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a flattened batch of query tokens over a paged KV cache.
 
@@ -40,8 +42,16 @@ def paged_attention(
     3. The query at position p attends to context positions j with ``j <= p``
        and, when ``sliding_window > 0``, ``j > p - sliding_window``:
        ``softmax(scale * q . k_j) @ v_j``, computed in float32.
+
+    Quantized caches: with int8 or float8_e4m3fn ``key_cache``/``value_cache``,
+    ``key_scale_cache`` and ``value_scale_cache`` are float32 [num_blocks,
+    block_size, Hkv] (also written in place). Step 1 then stores, per token and
+    kv head, ``s = max|x| / 127`` (int8; the values ``round_half_even(x / s)``
+    clamped to [-127, 127]) or ``s = max|x| / 448`` (fp8; ``(x / s)`` cast to
+    float8_e4m3fn), with ``x`` in float32 and ``s = 1`` for an all-zero vector;
+    steps 2-3 read every cached vector as ``value * s`` in float32.
     """
-    _write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    _write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scale_cache, value_scale_cache)
     output = torch.empty_like(query)
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -51,24 +61,52 @@ def paged_attention(
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[b, :num_blocks].long()
-        keys = key_cache[blocks].flatten(0, 1)[:seq_len]
-        values = value_cache[blocks].flatten(0, 1)[:seq_len]
+        keys = _read_blocks(key_cache, key_scale_cache, blocks)[:seq_len]
+        values = _read_blocks(value_cache, value_scale_cache, blocks)[:seq_len]
         output[start:end] = _attend(query[start:end], keys, values, seq_len, scale, sliding_window)
     return output
 
 
 @paged_attention.register_fake
 def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-      scale, sliding_window=-1):
+      scale, sliding_window=-1, key_scale_cache=None, value_scale_cache=None):
     return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
 
-def _write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-                    slot_mapping: Tensor) -> None:
+QUANTIZED_CACHE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+"""The largest magnitude a quantized cache dtype stores: a vector's max|x| maps onto it."""
+
+
+def quantize_cache_vectors(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> (values of `dtype` [..., D], float32 scales [...]), one scale per vector (see the op)."""
+    x = x.float()
+    scales = x.abs().amax(-1) / QUANTIZED_CACHE_MAX[dtype]
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    scaled = x / scales.unsqueeze(-1)
+    if dtype == torch.int8:
+        return scaled.round().clamp(-127, 127).to(torch.int8), scales
+    return scaled.to(dtype), scales
+
+
+def _write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+                    key_scale_cache: Tensor | None = None, value_scale_cache: Tensor | None = None) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid].to(key_cache.dtype)
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid].to(value_cache.dtype)
+    for x, cache, scale_cache in ((key, key_cache, key_scale_cache), (value, value_cache, value_scale_cache)):
+        if scale_cache is None:
+            cache.view(-1, *cache.shape[2:])[slots] = x[valid].to(cache.dtype)
+        else:
+            quantized, scales = quantize_cache_vectors(x[valid], cache.dtype)
+            cache.view(-1, *cache.shape[2:])[slots] = quantized
+            scale_cache.view(-1, scale_cache.shape[2])[slots] = scales
+
+
+def _read_blocks(cache: Tensor, scale_cache: Tensor | None, blocks: Tensor) -> Tensor:
+    """The cached vectors of `blocks`, flattened to [tokens, Hkv, D] (dequantized to float32 when scaled)."""
+    values = cache[blocks].flatten(0, 1)
+    if scale_cache is None:
+        return values
+    return values.float() * scale_cache[blocks].flatten(0, 1).unsqueeze(-1)
 
 
 def _attend(query: Tensor, keys: Tensor, values: Tensor, seq_len: int, scale: float,

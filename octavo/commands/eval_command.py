@@ -1,0 +1,47 @@
+"""`octavo eval`: perplexity of an artifact on a text file or the built-in evaluation text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tqdm.auto import tqdm
+
+from octavo.commands.common import add_engine_arguments, console, engine_config
+from octavo.eval.corpus import read_text, text_digest
+from octavo.eval.perplexity import DEFAULT_STRIDE, DEFAULT_WINDOW, perplexity, plan_windows, tokenize_text
+from octavo.runtime.engine import LLMEngine
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("eval", help="perplexity of an artifact on a text (same tokens for every artifact "
+                                                "of a model)")
+    parser.add_argument("artifact", help="artifact directory")
+    parser.add_argument("--perplexity", required=True, metavar="FILE|default",
+                        help="text or JSONL file (a \"text\" field per line), or `default`: the built-in evaluation "
+                             "text (Python standard library docstrings)")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
+    parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help="tokens between window starts")
+    parser.add_argument("--max-text-tokens", type=int, default=None, metavar="N",
+                        help="score only the first N tokens of the text (quick checks)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    add_engine_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    text = read_text(args.perplexity)
+    engine = LLMEngine(args.artifact, engine_config(args))
+    token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
+    windows = plan_windows(len(token_ids), args.window, args.stride)
+    with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
+        result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    record = {**result.as_dict(), "text": args.perplexity, "text_sha256": text_digest(text),
+              "artifact": args.artifact}
+    if args.json:
+        console.out(json.dumps(record))
+    else:
+        console.print(f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens scored "
+                      f"({result.windows} windows of {result.window}, stride {result.stride}; "
+                      f"tokens sha256 {result.tokens_sha256[:16]})")
+    return 0

@@ -1,0 +1,1 @@
+"""Evaluation: the project's offline text (calibration and evaluation parts) and perplexity."""
