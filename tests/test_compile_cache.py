@@ -113,3 +113,17 @@ def test_the_key_follows_the_output_deciding_options_only(model_dir, tmp_path):
                                            print_ir_after=("prune_logits",))) == base
     assert cache_key(source, CompileConfig(disabled_passes=("a", "b"))) == cache_key(
         source, CompileConfig(disabled_passes=("b", "a")))
+
+
+def test_the_key_follows_the_quantization_options_and_the_calibration_text(model_dir, tmp_path):
+    source = load_model(model_dir)
+    options = [{}, {"quant": "w8"}, {"quant": "w4"}, {"quant": "w4", "group_size": 64}, {"quant": "fp8"},
+               {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8"}, {"calibration": "default"}]
+    assert len({cache_key(source, CompileConfig(**option)) for option in options}) == len(options)
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("calibration text")
+    second.write_text("calibration text")
+    key = cache_key(source, CompileConfig(calibration=str(first)))
+    assert cache_key(source, CompileConfig(calibration=str(second))) == key, "the contents decide, not the name"
+    second.write_text("other text")
+    assert cache_key(source, CompileConfig(calibration=str(second))) != key

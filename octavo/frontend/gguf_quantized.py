@@ -12,7 +12,8 @@ portable layouts of octavo.ir.quantized_layout (group size 32, float16 scales):
 In a GGUF block byte j holds element j in its low nibble and element j + 16 in its high
 nibble; the nibbles are reordered into Octavo's packing (even column low, odd column high).
 Dequantizing the result computes exactly GGUF's own float32 formula (see
-quantized_layout), so the values equal transformers' float weights bit for bit.
+quantized_layout), so the values equal transformers' float weights bit for bit (for Q4_0
+the value zero may come out as +0 where GGUF's ``d * (q - 8)`` gives -0: equal values).
 
 Names and row order follow transformers' loader: the GGUF -> HF name map and its tensor
 processor, whose row permutations (llama's q/k head interleaving) are applied to the
@@ -35,14 +36,16 @@ BLOCK = 32
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def gguf_quantized_weights(path, config) -> dict[str, QuantizedWeight]:
+def gguf_quantized_weights(path, config, reader=None) -> dict[str, QuantizedWeight]:
     """HF parameter name -> QuantizedWeight for every Q8_0 / Q4_0 / Q4_1 tensor of the GGUF at `path`.
 
-    `config` is the model's transformers config (it names the heads the row permutation needs).
+    `config` is the model's transformers config (it names the heads the row permutation needs);
+    `reader`, a gguf.GGUFReader of the file when the caller has one (parsing a file's metadata
+    takes seconds).
     """
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = reader or gguf.GGUFReader(path)
     processor, name_map = _transformers_naming(reader, config)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
