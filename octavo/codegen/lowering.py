@@ -33,11 +33,11 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
     Fails naming the op when the backend lacks a kernel for it. A kernel with
     a `prepare(node)` attribute gets it called once per node here, at load
     (the Triton backend generates and imports fused_pointwise kernels then).
-    First, on the torch backend, quantized linears get their CPU kernel and
+    First, on the CPU backends, quantized linears get their CPU kernel and
     packed weights (torch_backend.weight_packing; `activation_dtype` is the
     artifact's dtype, float32 when not given).
     """
-    if backend == "torch":
+    if backend in ("torch", "cpu"):  # the cpu backend runs the torch backend's quantized linears
         from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
 
         pack_quantized_linears(graph_module, activation_dtype)
