@@ -16,13 +16,14 @@ from octavo.codegen.artifact import check_output_dir, write_artifact
 from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
+from octavo.eval.corpus import calibration_text, text_digest
 from octavo.frontend import load_model, trace
 from octavo.frontend.sources import ModelSource
 from octavo.frontend.trace import TracedModel
 from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
-from octavo.passes.quant_schemes import scheme_for
+from octavo.passes.quant_schemes import Calibration, scheme_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, 
     ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
                       architecture=model_source.architecture, fake_mode=traced.fake_mode,
                       symbols={"T": traced.num_tokens},
-                      provided_weights=_provided_weights(model_source, traced, config))
+                      provided_weights=_provided_weights(model_source, traced, config),
+                      calibration=_calibration(model_source, config))
     stage("running passes")
     start = time.perf_counter()
     graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
@@ -120,6 +122,19 @@ def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, 
                           overwrite=overwrite)
     logger.info("artifact written in %.1fs", time.perf_counter() - start)
     return path
+
+
+def _calibration(model_source: ModelSource, config: CompileConfig) -> Calibration | None:
+    """The calibration text's token ids when the scheme calibrates (--calibration FILE, else the built-in text)."""
+    scheme = scheme_for(config)
+    if scheme is None or not scheme.calibrated:
+        if config.calibration is not None:
+            logger.warning("--calibration is ignored: --quant %s does not calibrate", config.quant)
+        return None
+    source = config.calibration or "default"
+    text = calibration_text(source)
+    token_ids = list(model_source.tokenizer.encode(text, add_special_tokens=False))
+    return Calibration(source, text_digest(text), token_ids)
 
 
 def _provided_weights(model_source: ModelSource, traced, config: CompileConfig) -> dict:

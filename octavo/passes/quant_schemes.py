@@ -12,6 +12,11 @@ A scheme is the plug-in point of quantize_weights. The pass asks the scheme, in 
    already computed values (scales, zeros, packed q) here.
 3. ``quantize_vocab(name, weight, ctx)`` for the embedding table and lm_head (tied or not).
 
+``prepare`` must not write into the tensors of ``ctx.weights`` (compile_variants shares them
+between artifacts): it puts new tensors in their place. A calibrated scheme (``calibrated=True``)
+finds the calibration text's token ids in ``ctx.calibration`` (a Calibration; the compiler
+tokenizes ``--calibration FILE`` or the built-in text), and the manifest records which text it was.
+
 Registering a scheme: ``register_scheme("w4-awq", factory)`` where ``factory(config)``
 returns a QuantScheme (subclass); that also removes the name from NOT_YET_AVAILABLE.
 """
@@ -76,6 +81,28 @@ def rtn(layout: str, weight: Tensor, group_size: int | None) -> QuantizedWeight:
     if layout == FP8:
         return quantize_fp8(weight)
     raise ValueError(f"unknown layout {layout!r}")
+
+
+@dataclass
+class Calibration:
+    """Calibration text as token ids (the whole text, in order), for calibrated schemes (ctx.calibration).
+
+    ``source`` names the text ("default": the standard library docstrings' calibration part,
+    else the file given); ``sha256`` is the text's digest. The manifest records ``description``.
+    """
+
+    source: str
+    sha256: str
+    token_ids: list[int]
+
+    @property
+    def description(self) -> dict:
+        return {"source": self.source, "sha256": self.sha256, "tokens": len(self.token_ids)}
+
+    def samples(self, length: int, count: int | None = None) -> list[list[int]]:
+        """Consecutive, non-overlapping runs of `length` tokens (at most `count` of them), in text order."""
+        runs = [self.token_ids[start:start + length] for start in range(0, len(self.token_ids) - length + 1, length)]
+        return runs if count is None else runs[:count]
 
 
 SchemeFactory = Callable[[CompileConfig], QuantScheme]

@@ -192,3 +192,29 @@ def test_a_graph_whose_only_linear_is_the_lm_head_is_an_error():
     graph_module, ctx = _linear_chain({"head_weight": torch.randn(8, 16)}, "w8")
     with pytest.raises(PassError, match="found no linear"):
         run_pipeline(graph_module, ctx, ["quantize_weights"])
+
+
+def test_a_calibrated_scheme_gets_the_calibration_tokens_and_the_manifest_names_them(
+        monkeypatch, tiny_model_dir, tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from octavo.compiler import compile_model
+    from octavo.runtime.loader import read_manifest
+
+    seen = []
+
+    class Calibrated(quant_schemes.QuantScheme):
+        def prepare(self, graph_module, ctx):
+            seen.append(ctx.calibration)
+
+    monkeypatch.setitem(quant_schemes.SCHEMES, "w4-gptq", lambda config: Calibrated("w4-gptq", W4, 32,
+                                                                                    calibrated=True))
+    text = tmp_path / "calibration.jsonl"
+    text.write_text('{"text": "Calibration text for a test."}\n{"text": "A second record."}\n')
+    artifact = compile_model(tiny_model_dir("llama"), tmp_path / "artifact",
+                             CompileConfig(quant="w4-gptq", calibration=str(text)))
+    expected = AutoTokenizer.from_pretrained(tokenizer_dir).encode(
+        "Calibration text for a test.\n\nA second record.", add_special_tokens=False)
+    assert seen[0].token_ids == expected and seen[0].samples(4, 2) == [expected[:4], expected[4:8]]
+    record = read_manifest(artifact)["quantization"]["calibration"]
+    assert record["source"] == str(text) and record["tokens"] == len(expected) and len(record["sha256"]) == 64

@@ -8,10 +8,12 @@ ATEN_CPU_CAPABILITY=avx2 (decode shapes of SmolLM2, M = 1; scripts/measure_quant
   bfloat16, and float32 activations are cast to bfloat16 for them, only where the CPU has
   native bfloat16 (AVX512_BF16 or AMX). int4pack is also slow without AVX-512 (5x slower
   than float32 on AVX2), so there w4 runs dequantized.
-- Everything else (float32 activations without native bfloat16, w8 with group-wise scales
-  such as GGUF's Q8_0, fp8, float16 activations) runs ``linear_dequantized``: the weight is
-  dequantized once here into the activation dtype (fp8 keeps its exact values and applies
-  the per-channel scales to the result).
+- Everything else (w8 with group-wise scales such as GGUF's Q8_0, fp8, w4 without AVX-512,
+  and every layout when the activations are float16, or float32 without native bfloat16)
+  runs ``linear_dequantized``: the weight is dequantized once here, into bfloat16 where the
+  other kernels would compute in bfloat16 (half the bytes to read, the native dot products)
+  and into the activation dtype otherwise; fp8 keeps its exact values (exact in either) and
+  applies the per-channel scales to the result.
 
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
@@ -60,12 +62,13 @@ def choose_kernel(layout: str, group_size: int, in_features: int, activation_dty
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
     bf16_compute = activation_dtype == torch.bfloat16 or (activation_dtype == torch.float32 and features.native_bf16)
-    if forced != "dequantized" and bf16_compute:
-        if layout == "w8" and group_size >= in_features:
-            return "int8pack", torch.bfloat16
-        if layout == "w4" and group_size in INT4PACK_GROUP_SIZES and features.avx512:
-            return "int4pack", torch.bfloat16
-    return "dequantized", activation_dtype
+    if forced == "dequantized" or not bf16_compute:
+        return "dequantized", activation_dtype
+    if layout == "w8" and group_size >= in_features:
+        return "int8pack", torch.bfloat16
+    if layout == "w4" and group_size in INT4PACK_GROUP_SIZES and features.avx512:
+        return "int4pack", torch.bfloat16
+    return "dequantized", torch.bfloat16
 
 
 def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dtype | None = None,
