@@ -12,6 +12,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
 QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+VOCAB_QUANT = ("int8", "w4", "none")
 
 
 @dataclass
@@ -23,7 +24,8 @@ class CompileConfig:
     computes; they (with the model checksum and the versions) form the compile
     cache key. Dump and print options only change what is written for reading.
     `group_size` None means the scheme's default; `calibration` is a text/JSONL
-    file or "default" (the project's own text) for schemes that calibrate.
+    file or "default" (the project's own text) for schemes that calibrate;
+    `vocab_quant` is how a quantized artifact stores the embedding and lm_head.
     """
 
     dtype: str = "float32"
@@ -33,6 +35,7 @@ class CompileConfig:
     group_size: int | None = None
     kv_cache_dtype: str = "auto"
     calibration: str | None = None
+    vocab_quant: str = "int8"
     dump_dir: str | None = None
     stop_after: str | None = None
     print_ir_after: tuple[str, ...] = ()
@@ -50,6 +53,9 @@ class CompileConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise OctavoError(f"unknown kv cache dtype {self.kv_cache_dtype!r}: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.vocab_quant not in VOCAB_QUANT:
+            raise OctavoError(f"unknown vocab quantization {self.vocab_quant!r}: choose one of "
+                              f"{', '.join(VOCAB_QUANT)}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
 
@@ -67,7 +73,7 @@ class CompileConfig:
         """Quantization options, present only when set (keeps the key of unquantized artifacts unchanged)."""
         key: dict = {}
         if self.quant != "none":
-            key.update(quant=self.quant, group_size=self.group_size)
+            key.update(quant=self.quant, group_size=self.group_size, vocab_quant=self.vocab_quant)
         if self.kv_cache_dtype != "auto":
             key["kv_cache_dtype"] = self.kv_cache_dtype
         if self.calibration is not None:

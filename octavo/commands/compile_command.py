@@ -6,7 +6,7 @@ import argparse
 import time
 
 from octavo.commands.common import console, error_console
-from octavo.config import KV_CACHE_DTYPES, QUANT_SCHEMES, CompileConfig
+from octavo.config import KV_CACHE_DTYPES, QUANT_SCHEMES, VOCAB_QUANT, CompileConfig
 
 
 def add_parser(subparsers) -> None:
@@ -26,6 +26,8 @@ def add_parser(subparsers) -> None:
                         help="weight quantization: w8 (int8 per channel), w4 (4-bit groups, RTN), fp8 (e4m3 per "
                              "channel); w4-awq / w4-gptq calibrate (default: none)")
     parser.add_argument("--group-size", type=int, default=None, help="w4/w8 group size along K (default: scheme's)")
+    parser.add_argument("--vocab-quant", choices=VOCAB_QUANT, default="int8",
+                        help="how --quant stores the embedding and lm_head: int8 per row (default), w4, or none")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache storage: auto (the model dtype), int8 or fp8 with per-token scales")
     parser.add_argument("--calibration", metavar="FILE",
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
                            disabled_passes=tuple(_split(args.disable_pass)),
                            print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,
                            progress=True, quant=args.quant, group_size=args.group_size,
-                           kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration)
+                           kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
+                           vocab_quant=args.vocab_quant)
     start = time.perf_counter()
     with console.status("loading model") as status:
         path = compile_model(args.model, args.output, config, overwrite=args.overwrite,

@@ -7,8 +7,8 @@ For every weight placeholder that only ``aten.linear`` (as its weight) and
 ``aten.embedding`` (as its table) read:
 
 - the embedding table and the lm_head weight (one placeholder when tied) get the scheme's
-  vocab layout (int8 with one scale per vocabulary row by default; see
-  quant_schemes.VOCAB_REASON), or stay float when the scheme says so;
+  vocab layout (``--vocab-quant``: int8 with one scale per vocabulary row by default, see
+  quant_schemes.VOCAB_REASONS for why; 4-bit groups; or float);
 - every other linear weight gets the scheme's layout: ``linear_w8`` (int8, per output
   channel), ``linear_w4`` (4-bit asymmetric, group-wise) or ``linear_fp8`` (float8_e4m3fn,
   per output channel); w4 needs an even number of input features, else the linear stays
@@ -27,10 +27,11 @@ the dequantized weight. Norm weights, biases and the rotary table stay float (1-
 or tables: a tiny share of the bytes). ``ctx.quantization`` records scheme, group size,
 what stayed float and why, and the origin of the values, for the manifest.
 
-Group size of w4 RTN: 32 by default. Measured on SmolLM2 (scripts/measure_quantization.py,
-figures in the report): group 32 keeps perplexity closest to float and matches GGUF's
-Q4_0/Q4_1 blocks, so imported and RTN artifacts share one kernel configuration; 64 and
-128 save 0.5 and 0.75 bits per weight at a perplexity cost.
+Group size of w4: 32 by default, chosen by measurement on SmolLM2 (scripts/quant_compare.py,
+8191 tokens of the evaluation text): its weights are GGUF Q4_1 blocks of 32, which group 32
+keeps exactly (perplexity 14.39, equal to fp32's 14.39), while groups of 64 and 128 must
+round them again (18.61 and 22.86: +29% and +59%) to save 0.5 and 0.75 bit per weight. 32
+is also GGUF's own Q4 block, so imported and RTN artifacts share one kernel configuration.
 
 Stats: quantized_linears, quantized_vocab, provided (values stored as supplied),
 left_float, bytes_before, bytes_after.
@@ -69,14 +70,15 @@ def quantize_weights(graph_module: GraphModule, ctx: PassContext) -> GraphModule
         raise PassError("quantize_weights runs only with a quantization scheme (--quant)")
     scheme.prepare(graph_module, ctx)
     vocab_weights = _vocab_weights(graph_module, ctx)
-    counts: Counter = Counter()
+    counts = Counter(quantized_linears=0, quantized_vocab=0, provided=0)
     origins: Counter = Counter()
     left_float: dict[str, list[str]] = {}
     vocab_record: dict = {}
     bytes_before = sum(t.numel() * t.element_size() for t in ctx.weights.values())
     for weight in _quantizable_weights(graph_module, ctx, left_float):
         is_vocab = weight in vocab_weights
-        quantized, reason = _quantize(weight, is_vocab, scheme, ctx)
+        supplied = provided_value(weight.name, ctx)
+        quantized, reason = _quantize(weight, is_vocab, supplied, scheme, ctx)
         if quantized is None:
             left_float.setdefault(reason, []).append(weight.name)
             continue
@@ -87,7 +89,7 @@ def quantize_weights(graph_module: GraphModule, ctx: PassContext) -> GraphModule
             vocab_record["reason"] = scheme.vocab_reason
         _rewrite_users(graph_module, ctx, weight, quantized)
         counts["quantized_vocab" if is_vocab else "quantized_linears"] += 1
-        counts["provided"] += quantized.origin != "rtn"
+        counts["provided"] += quantized is supplied
         origins[quantized.origin] += 1
     if not counts["quantized_linears"]:
         raise PassError(f"quantize_weights ({scheme.name}) found no linear it could quantize")
@@ -141,16 +143,15 @@ def _is_tied(weight: Node) -> bool:
     return {_use(user, weight) for user in weight.users} == {"linear", "embedding"}
 
 
-def _quantize(weight: Node, is_vocab: bool, scheme: QuantScheme,
+def _quantize(weight: Node, is_vocab: bool, provided: QuantizedWeight | None, scheme: QuantScheme,
               ctx: PassContext) -> tuple[QuantizedWeight | None, str]:
-    """The quantized value of `weight`, or (None, why it stays float)."""
+    """The quantized value of `weight` (`provided`, when it fits), or (None, why it stays float)."""
     layout = scheme.vocab_layout if is_vocab else scheme.layout
     if layout is None:
         return None, scheme.vocab_reason
     tensor = ctx.weights[weight.name]
     if layout == W4 and tensor.shape[1] % 2:
         return None, "w4 needs an even number of input features"
-    provided = provided_value(weight.name, ctx)
     # An explicit --group-size other than the supplied values' asks for new values.
     if provided is not None and provided.layout == layout and (
             is_vocab or ctx.config.group_size in (None, provided.group_size)):
@@ -213,8 +214,6 @@ def _record(scheme: QuantScheme, ctx: PassContext, origins: Counter, vocab: dict
     left = [{"weights": names, "reason": reason} for reason, names in left_float.items()]
     left.append({"weights": "norm weights, biases, rotary table",
                  "reason": "vectors and small tables, a tiny share of the bytes: kept exact in float"})
-    if not vocab:
-        left.append({"weights": "embedding, lm_head", "reason": scheme.vocab_reason})
     return {
         **scheme.describe(),
         "values": dict(sorted(origins.items())),

@@ -14,6 +14,7 @@ from octavo.errors import OctavoError, PassError
 from octavo.frontend.architectures import architecture_for
 from octavo.ir.quantized_layout import W4, QuantizedWeight
 from octavo.passes import PassContext, quant_schemes, run_pipeline
+from octavo.passes.quant_schemes import VOCAB_REASONS
 from octavo.passes.quantize_rtn import quantize_w4
 from tests.passes.fusion_harness import (
     ALL_PASSES,
@@ -53,34 +54,45 @@ def stored(compiled: Compiled, base: str) -> QuantizedWeight:
                            group or qweight.shape[1])
 
 
-# llama: untied embedding and lm_head; qwen2: tied, and qkv biases.
-VARIANTS = [("llama", "w8", "octavo.linear_w8"), ("qwen2", "w4", "octavo.linear_w4"),
-            ("llama", "fp8", "octavo.linear_fp8")]
+# llama: untied embedding and lm_head; qwen2: tied, and qkv biases. Each vocab layout once.
+VARIANTS = [("llama", "w8", "int8"), ("qwen2", "w4", "w4"), ("llama", "fp8", "none")]
+PER_LAYER = 4  # qkv, o, gate_up, down
 
 
-@pytest.mark.parametrize(("model_type", "quant", "linear_op"), VARIANTS)
-def test_every_linear_and_the_embedding_are_rewritten(model_type, quant, linear_op):
-    after = cached_quantized(model_type, quant=quant)
-    per_layer = 4  # qkv, o, gate_up, down
-    assert after.count("aten.linear") == 0 and after.count("aten.embedding") == 0
-    assert after.count(linear_op) == per_layer * LAYERS + (quant == "w8")  # lm_head is w8 in every scheme
-    assert after.count("octavo.linear_w8") == (per_layer * LAYERS if quant == "w8" else 0) + 1
-    assert after.count("octavo.embedding_w8") == 1
+@pytest.mark.parametrize(("model_type", "quant", "vocab"), VARIANTS)
+def test_every_linear_and_the_embedding_are_rewritten(model_type, quant, vocab):
+    after = cached_quantized(model_type, quant=quant, vocab_quant=vocab)
+    vocab_op = {"int8": "w8", "w4": "w4", "none": None}[vocab]
+    histogram = {op: count for op, count in after.histogram().items()
+                 if op.startswith(("octavo.linear", "octavo.embedding", "aten.linear", "aten.embedding"))}
+    expected = {f"octavo.linear_{quant}": PER_LAYER * LAYERS}
+    if vocab_op:
+        expected[f"octavo.linear_{vocab_op}"] = expected.get(f"octavo.linear_{vocab_op}", 0) + 1
+        expected[f"octavo.embedding_{vocab_op}"] = 1
+    else:
+        expected.update({"aten.linear": 1, "aten.embedding": 1})
+    assert histogram == expected
     tied = model_type == "qwen2"
     stats = after.stats("quantize_weights")
-    assert stats["quantized_linears"] == per_layer * LAYERS
-    assert stats["quantized_vocab"] == (1 if tied else 2) and stats["provided"] == 0
-    assert stats["bytes_after"] < stats["bytes_before"] / 3
-    vocab = after.ctx.quantization["vocab"]["weights"]
-    assert [entry["tied"] for entry in vocab] == ([True] if tied else [False, False])
-    assert not any(name.endswith("proj_weight") or name == "lm_head_weight" for name in after.ctx.weights)
+    assert stats["quantized_linears"] == PER_LAYER * LAYERS and stats["provided"] == 0
+    assert stats["quantized_vocab"] == (0 if vocab == "none" else 1 if tied else 2)
+    # The tiny models' vocabulary tables hold almost all their bytes.
+    assert stats["bytes_after"] < stats["bytes_before"] / (3 if vocab_op else 1)
+    record = after.ctx.quantization
+    if vocab_op:
+        assert [entry["tied"] for entry in record["vocab"]["weights"]] == ([True] if tied else [False, False])
+        assert not any(name.endswith("proj_weight") or name == "lm_head_weight" for name in after.ctx.weights)
+    else:
+        assert record["vocab"] is None
+        assert {"weights": ["model_embed_tokens_weight", "lm_head_weight"], "reason": VOCAB_REASONS["none"]} in (
+            record["left_unquantized"])
     if tied:
         assert after.ctx.weights["model_layers_0_self_attn_qkv_proj_bias"].dtype == torch.float32  # bias kept
 
 
-@pytest.mark.parametrize(("model_type", "quant", "linear_op"), VARIANTS)
-def test_outputs_equal_the_float_graph_on_the_dequantized_weights(model_type, quant, linear_op):
-    after = cached_quantized(model_type, quant=quant)
+@pytest.mark.parametrize(("model_type", "quant", "vocab"), VARIANTS)
+def test_outputs_equal_the_float_graph_on_the_dequantized_weights(model_type, quant, vocab):
+    after = cached_quantized(model_type, quant=quant, vocab_quant=vocab)
     before = compiled(model_type, "float32", tuple(ALL_PASSES))
     dequantized = {name: stored(after, name.removesuffix("_weight")).dequantize()
                    if f"{name.removesuffix('_weight')}_qweight" in after.ctx.weights else tensor
