@@ -15,6 +15,13 @@ ATEN_CPU_CAPABILITY=avx2 (decode shapes of SmolLM2, M = 1; scripts/measure_quant
   and into the activation dtype otherwise; fp8 keeps its exact values (exact in either) and
   applies the per-channel scales to the result.
 
+The vocabulary projection (the graph's last linear, which produces the logits) is the
+exception: with float32 activations it computes in float32 on its dequantized weight,
+whatever the CPU. Its bfloat16 result would round the logits to 8 significant bits (steps
+of 1/16 near a logit of 16), enough to tie and flip greedy choices (measured on SmolLM2:
+"The" and "L" tied for the first token of an answer). Every other linear feeds a float32
+residual stream through a norm, where a bfloat16 rounding is as harmless as in a bf16 model.
+
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
 """
@@ -58,10 +65,11 @@ class CpuFeatures:
 
 
 def choose_kernel(layout: str, group_size: int, in_features: int, activation_dtype: torch.dtype,
-                  features: CpuFeatures) -> tuple[str, torch.dtype]:
+                  features: CpuFeatures, produces_logits: bool = False) -> tuple[str, torch.dtype]:
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
-    bf16_compute = activation_dtype == torch.bfloat16 or (activation_dtype == torch.float32 and features.native_bf16)
+    bf16_compute = activation_dtype == torch.bfloat16 or (
+        activation_dtype == torch.float32 and features.native_bf16 and not produces_logits)
     if forced == "dequantized" or not bf16_compute:
         return "dequantized", activation_dtype
     if layout == "w8" and group_size >= in_features:
@@ -82,11 +90,12 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
     features = features or CpuFeatures.detect()
     choices: Counter = Counter()
     targets = {octavo.linear_w8.default: "w8", octavo.linear_w4.default: "w4", octavo.linear_fp8.default: "fp8"}
-    for node in list(graph_module.graph.nodes):
-        layout = targets.get(node.target) if node.op == "call_function" else None
-        if layout is None or not _bound(node):
+    linears = [node for node in graph_module.graph.nodes if node.op == "call_function" and node.target in targets]
+    for node in linears:
+        if not _bound(node):
             continue  # weights passed as graph inputs cannot be packed: the node runs the reference op
-        kernel, compute_dtype = _rewrite(graph_module, node, layout, activation_dtype, features)
+        kernel, compute_dtype = _rewrite(graph_module, node, targets[node.target], activation_dtype, features,
+                                         produces_logits=node is linears[-1])
         choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
     if choices:
         _drop_unused_buffers(graph_module)
@@ -98,12 +107,13 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
 
 
 def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
-             features: CpuFeatures) -> tuple[str, torch.dtype]:
+             features: CpuFeatures, produces_logits: bool) -> tuple[str, torch.dtype]:
     x, weight_nodes, bias, group_size = _parse(node, layout)
     tensors = [_buffer(graph_module, weight) for weight in weight_nodes]
     qweight = tensors[0]
     in_features = 2 * qweight.shape[1] if layout == "w4" else qweight.shape[1]
-    kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features)
+    kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features,
+                                          produces_logits)
     if kernel == "int8pack":
         packed = pack_int8(*tensors, compute_dtype)
         target, extra = octavo_torch.linear_int8pack.default, ()
