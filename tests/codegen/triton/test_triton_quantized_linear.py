@@ -65,6 +65,6 @@ def test_embedding_runs_the_reference_on_the_device(device):
 
 
 def test_quantized_kv_cache_is_refused_at_load(tiny_quantized_artifact, device):
-    artifact = tiny_quantized_artifact("llama", kv_cache_dtype="int8")
+    artifact = tiny_quantized_artifact("llama", quant="w4", kv_cache_dtype="int8")  # shared with other tests
     with pytest.raises(OctavoError, match="no int8/fp8 KV cache kernels"):
         LLMEngine(artifact, EngineConfig(backend="triton", device=device.type, num_kv_blocks=16))
