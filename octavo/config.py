@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from octavo.errors import OctavoError
 
@@ -53,6 +54,8 @@ class CompileConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise OctavoError(f"unknown kv cache dtype {self.kv_cache_dtype!r}: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.calibration not in (None, "default") and not Path(self.calibration).expanduser().is_file():
+            raise OctavoError(f"calibration file {self.calibration} does not exist")
         if self.vocab_quant not in VOCAB_QUANT:
             raise OctavoError(f"unknown vocab quantization {self.vocab_quant!r}: choose one of "
                               f"{', '.join(VOCAB_QUANT)}")
@@ -84,7 +87,6 @@ class CompileConfig:
 def _file_digest(path: str) -> str:
     """'default' itself, or the sha256 of the calibration file's contents (a renamed file keeps its key)."""
     import hashlib
-    from pathlib import Path
 
     if path == "default":
         return path

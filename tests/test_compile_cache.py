@@ -10,6 +10,7 @@ import pytest
 
 from octavo.compile_cache import cache_key, cache_root, cached_artifact
 from octavo.config import CompileConfig
+from octavo.errors import OctavoError
 from octavo.frontend.sources import load_model
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
@@ -127,3 +128,5 @@ def test_the_key_follows_the_quantization_options_and_the_calibration_text(model
     assert cache_key(source, CompileConfig(calibration=str(second))) == key, "the contents decide, not the name"
     second.write_text("other text")
     assert cache_key(source, CompileConfig(calibration=str(second))) != key
+    with pytest.raises(OctavoError, match="does not exist"):
+        CompileConfig(quant="w4", calibration=str(tmp_path / "missing.txt"))
