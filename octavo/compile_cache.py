@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from octavo import __version__
-from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig
 from octavo.frontend.sources import ModelSource, load_model
+from octavo.ir.artifact_format import MANIFEST
 
 logger = logging.getLogger(__name__)
 

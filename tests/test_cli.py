@@ -20,8 +20,8 @@ import onnx
 import pytest
 import torch
 
-from octavo.codegen.artifact import FORMAT_VERSION
 from octavo.frontend.architectures import ARCHITECTURES
+from octavo.ir.artifact_format import FORMAT_VERSION
 from octavo.llm import LLM
 from octavo.passes.registry import resolve_pipeline
 from octavo.runtime.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from octavo.codegen.artifact import GRAPH, MANIFEST
+from octavo.ir.artifact_format import GRAPH, MANIFEST
 from octavo.ir.onnx_io import import_graph_from_onnx
 from tests.conftest import run_cli
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from octavo.codegen.artifact import FORMAT_VERSION
 from octavo.config import EngineConfig
 from octavo.errors import ArtifactError
+from octavo.ir.artifact_format import FORMAT_VERSION
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact, read_manifest
 from tests.conftest import assert_pool_full
