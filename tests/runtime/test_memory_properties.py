@@ -20,8 +20,8 @@ row's logits must equal Hugging Face's logits for the tokens its sequence
 holds (fp32 eager, max abs difference LOGITS_TOLERANCE, as in
 test_architectures): a step that attends to a slot holding anything else (a
 wrong prefix-cache hit, a missed or misordered copy-on-write, a lost swap)
-moves them by orders of magnitude more (breaking copy-on-write or the swap
-order in the engine makes these tests fail within a few examples).
+moves them by orders of magnitude more (with LLMEngine._move_blocks skipping
+its copy-on-write copies, every test here fails, by logits 2.5 off).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def prompts(draw, forms=("blocks", "shared-prefix")) -> list[int]:
 
 
 # The longest sequence has MAX_PROMPT + MAX_OUTPUT tokens = 6 blocks; a pool of 6 to 12 blocks forces preemption.
-@settings(max_examples=40, deadline=None, suppress_health_check=SLOW_DATA)
+@settings(max_examples=60, deadline=None, suppress_health_check=SLOW_DATA)
 @given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        hash_name=st.sampled_from(sorted(HASH_FUNCTIONS)), num_blocks=st.integers(6, 12),
        num_host_blocks=st.integers(1, 10), max_num_seqs=st.integers(1, 6), budget=st.integers(1, 24),
@@ -315,17 +315,23 @@ def test_random_workloads_keep_every_invariant_and_end_with_the_pool_complete(
     target(float(engine.scheduler.num_preemptions), label="preemptions")  # steer the search towards pressure
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=SLOW_DATA)
-@given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]), budget=st.integers(1, 24))
+@settings(max_examples=100, deadline=None, suppress_health_check=SLOW_DATA)
+@given(data=st.data(), mode=st.sampled_from(["swap", "swap", "recompute"]), budget=st.integers(1, 24))
 def test_tiny_pool_with_parallel_samples_preempts_and_stays_consistent(model, data, mode, budget):
-    """A pool that holds exactly one longest sequence, all requests n>1: preemption on almost every step."""
+    """A pool that holds exactly one longest sequence, all requests n>1: preemption on almost every step.
+
+    Swap mode is drawn twice as often and the search is steered towards swap preemptions: a swap-out
+    in the step that also copies a shared block is where the order of the engine's block moves
+    matters (running the copies before the swap-outs fails here within about 100 examples).
+    """
     engine = make_engine(model, mode=mode, num_blocks=6, num_host_blocks=6, max_num_seqs=6, budget=budget)
     workload = Workload(data, engine)
     workload.run(3, parallel_only=True)
     assert_rows_match_hf(model.hf, workload.rows)
+    target(float(engine.scheduler.preemptions["swap"]), label="swap preemptions")
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=SLOW_DATA)
+@settings(max_examples=30, deadline=None, suppress_health_check=SLOW_DATA)
 @given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]),
        hash_name=st.sampled_from(["ignores-first-token", "constant"]), num_blocks=st.integers(8, 16),
        budget=st.integers(1, 24), max_requests=st.integers(3, 8))
