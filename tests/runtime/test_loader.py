@@ -134,14 +134,12 @@ def test_weights_are_memory_mapped_and_bound_without_copies(tiny_artifact):
         assert buffer.data_ptr() == pointers[name], f"{name} was copied when bound to the graph"
 
 
-def test_loaded_artifact_describes_itself(tiny_artifact, tiny_model_dir):
-    from transformers import AutoTokenizer
-
+def test_loaded_artifact_describes_itself(tiny_artifact, smollm2_source):
     loaded = load_artifact(tiny_artifact("llama"))
     assert loaded.eos_token_ids == [2]
     assert loaded.kv_layout["num_layers"] == 2 and loaded.kv_layout["num_kv_heads"] == 2
-    # The artifact's tokenizer is the model's own: same ids, same chat template.
-    source = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    # The artifact's tokenizer is the one the tiny model ships (the bundled model's): same ids, same template.
+    source = smollm2_source.tokenizer
     text = "Hello world, what is 17 x 23? <|im_start|>"
     assert loaded.tokenizer.encode(text) == source.encode(text) and len(source.encode(text)) > 5
     assert loaded.tokenizer.chat_template == source.chat_template is not None
