@@ -10,23 +10,32 @@ prefix-cache figures from the prompt lengths and the block size.
 
 from __future__ import annotations
 
+import pytest
+
 from octavo.config import EngineConfig
 from octavo.runtime.engine import LLMEngine
+from octavo.runtime.loader import load_artifact
 from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
 from octavo.runtime.sampling_params import SamplingParams
 from tests.runtime.engine_helpers import observe_recompute_preemptions
 
 BLOCK = 16
-PROMPT = 20
-NUM_BLOCKS = 8
+PROMPT = 40  # 3 blocks: two sequences fill the pool of 6 when they reach 48 tokens
+NUM_BLOCKS = 6
 
 
 def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
-def test_queues_blocks_and_preemptions_match_the_tests_own_counts(tiny_llama_artifact):
-    engine = LLMEngine(tiny_llama_artifact, EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=2))
+@pytest.fixture(scope="module")
+def artifact(tiny_llama_artifact):
+    """Loaded once: each test's engine has its own KV pool and block manager."""
+    return load_artifact(tiny_llama_artifact)
+
+
+def test_queues_blocks_and_preemptions_match_the_tests_own_counts(artifact):
+    engine = LLMEngine(artifact, EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=2))
     assert collect_engine_metrics(engine) == EngineMetrics(kv_blocks_total=NUM_BLOCKS, kv_blocks_free=NUM_BLOCKS)
 
     params = SamplingParams(temperature=0.8, seed=0, max_tokens=60, ignore_eos=True)
@@ -39,8 +48,8 @@ def test_queues_blocks_and_preemptions_match_the_tests_own_counts(tiny_llama_art
     finished: set[str] = set()
     last_computed: dict[str, int] = {}
     preemptions = steps = 0
-    while preemptions == 0:  # until 8 blocks cannot hold two sequences of up to 80 tokens
-        assert engine.has_unfinished_requests(), "no preemption although two 80-token sequences need 10 blocks"
+    while preemptions == 0:  # until the 6 blocks cannot hold two sequences past 48 tokens
+        assert engine.has_unfinished_requests(), "no preemption although two 96-token sequences need 12 blocks"
         outputs = engine.step()
         steps += 1
         preemptions += observe_recompute_preemptions(engine, last_computed)
@@ -63,8 +72,8 @@ def test_queues_blocks_and_preemptions_match_the_tests_own_counts(tiny_llama_art
     assert done.num_preemptions == preemptions
 
 
-def test_cached_blocks_and_prefix_hits_match_the_block_arithmetic(tiny_llama_artifact):
-    engine = LLMEngine(tiny_llama_artifact, EngineConfig(num_kv_blocks=NUM_BLOCKS))
+def test_cached_blocks_and_prefix_hits_match_the_block_arithmetic(artifact):
+    engine = LLMEngine(artifact, EngineConfig(num_kv_blocks=NUM_BLOCKS))
     prompt = list(range(300, 340))  # 40 tokens
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine.add_request(prompt, params, request_id="first")
@@ -83,5 +92,5 @@ def test_cached_blocks_and_prefix_hits_match_the_block_arithmetic(tiny_llama_art
     assert (metrics.prefix_cache_queries_tokens, metrics.prefix_cache_hits_tokens) == (80, 32)
     assert metrics.prefix_cache_hit_rate == 32 / 80
     assert metrics.kv_blocks_used == blocks_for(40) and metrics.kv_blocks_cached == 1  # the third, output block
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.abort_request("again")
+    assert collect_engine_metrics(engine).kv_blocks_used == 0
