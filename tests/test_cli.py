@@ -84,6 +84,7 @@ def test_compile_writes_one_dump_per_pass_in_pipeline_order(smollm2_fp32_compile
     assert {file.name for file in run.dump_dir.iterdir() if file.is_file()} == expected
     # Besides the pass dumps, only the generated kernel sources (docs/architecture.md, "Code generation") may be there.
     assert {file.name for file in run.dump_dir.iterdir() if not file.is_file()} <= {"kernels"}
+    applied = 0
     for previous, stem, record in zip(stems[:-1], stems[1:], manifest["passes"], strict=True):
         summary = json.loads((run.dump_dir / f"{stem}.json").read_text())
         assert summary["name"] == record["name"] and summary["stats"] == record["stats"]
@@ -91,9 +92,13 @@ def test_compile_writes_one_dump_per_pass_in_pipeline_order(smollm2_fp32_compile
         before = (run.dump_dir / f"{previous}.txt").read_text().splitlines(keepends=True)
         after = (run.dump_dir / f"{stem}.txt").read_text().splitlines(keepends=True)
         diff = (run.dump_dir / f"{stem}.diff").read_text().splitlines(keepends=True)
-        assert before != after, f"pass {record['name']} changed nothing"
+        if before == after:  # fuse_pointwise finds nothing left after the pattern passes
+            assert diff == [] and record["nodes_before"] == record["nodes_after"], stem
+            continue
         assert diff[:2] == [f"--- {previous}\n", f"+++ {stem}\n"]
         assert apply_unified_diff(before, diff[2:]) == after, f"{stem}.diff does not turn {previous} into {stem}"
+        applied += 1
+    assert applied >= len(pipeline) - 1, "every pass but fuse_pointwise rewrites the bundled model"
     attention = json.loads((run.dump_dir / "02-match_attention.json").read_text())
     assert attention["name"] == "match_attention" and attention["stats"]["replaced_sdpa"] == 30
     assert json.loads((run.dump_dir / f"{stems[-1]}.json").read_text())["node_count"] == manifest["node_count"]
