@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from octavo import __version__
-from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig
 from octavo.frontend.sources import ModelSource, load_model
+from octavo.ir.artifact_format import MANIFEST
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,9 @@ def cache_root() -> Path:
 
 
 def cache_key(model_source: ModelSource, config: CompileConfig) -> str:
-    """sha256 over the model checksum, the output-deciding compile options and the software versions."""
+    """The first 16 hex digits of sha256 over ``json.dumps(payload, sort_keys=True)``, where payload is
+    ``{"model": model checksum, "options": config.output_key(), "octavo": version, "torch": version,
+    "transformers": version}``: everything that decides the artifact's contents, nothing else."""
     import transformers
 
     payload = {

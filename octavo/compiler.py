@@ -166,7 +166,7 @@ def _symbolic(dim, names: dict[str, str]) -> str:
 
 def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassContext, graph_module,
                    timings: dict[str, float]) -> dict:
-    """Everything that decides or describes the artifact's output (see DESIGN.md, Artifact)."""
+    """Everything that decides or describes the artifact's output (docs/architecture.md, "The artifact")."""
     model_config = model_source.config
     generation = model_source.generation_config()
     output = graph_module.graph.output_node().args[0]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError, RequestError
+from octavo.ir.artifact_format import MANIFEST
 from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput

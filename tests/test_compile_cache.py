@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
+import octavo
 from octavo.compile_cache import cache_key, cache_root, cached_artifact
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
@@ -53,12 +57,32 @@ def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
     assert cache_root() == tmp_path / "mine"
 
 
+def model_checksum(directory: Path) -> str:
+    """The documented checksum of an HF directory: sha256 over config.json, then every *.safetensors in name
+    order, each as its file name followed by its bytes."""
+    digest = hashlib.sha256()
+    for file in [directory / "config.json", *sorted(directory.glob("*.safetensors"))]:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def documented_key(checksum: str, options: dict) -> str:
+    """The documented cache key: the first 16 hex digits of sha256 over the JSON (sorted keys) of the model
+    checksum, the output-deciding options and the octavo, torch and transformers versions."""
+    payload = {"model": checksum, "options": options, "octavo": octavo.__version__, "torch": torch.__version__,
+               "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
     first = cached_artifact(model_dir, CompileConfig())
-    key = cache_key(load_model(model_dir), CompileConfig())
-    assert first == cache_dir / f"{model_dir.name}-float32-{key}"
+    checksum = model_checksum(model_dir)
+    options = {"dtype": "float32", "block_size": 16, "disabled_passes": [], "stop_after": None}
+    assert first == cache_dir / f"{model_dir.name}-float32-{documented_key(checksum, options)}"
     manifest = json.loads((first / "manifest.json").read_text())
-    assert manifest["source"]["checksum_sha256"] == load_model(model_dir).checksum
+    assert manifest["source"]["checksum_sha256"] == checksum
+    assert manifest["compile_options"] == options
     before, entries = snapshot(first), sorted(cache_dir.iterdir())
     # Options that only change what is written for reading (dumps, progress) are not part of the key.
     again = cached_artifact(model_dir, CompileConfig(progress=True))

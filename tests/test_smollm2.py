@@ -72,19 +72,58 @@ def test_fp32_greedy_equals_hf_generate_with_chunked_prefill(smollm2_fp32_artifa
     assert_pool_full(llm.engine)
 
 
-def test_bf16_tokens_are_top5_under_teacher_forcing(smollm2_bf16_artifact, smollm2_hf_bf16, prompts):
-    hf_bf16 = smollm2_hf_bf16
+# The bf16 near-tie margin, a fraction of the top logit: 2^-5 ~ 1.5 * sqrt(30 layers) * 2^-8 (bf16's
+# relative rounding); see the test's docstring.
+BF16_TIE_MARGIN = 2.0**-5
+# At most this share of positions may have HF's own runner-up within the margin (measured: 0.30).
+MAX_RUNNER_UP_WITHIN_MARGIN = 0.4
+
+
+def test_bf16_tokens_are_hf_argmax_or_a_near_tie_and_in_hf_top5(smollm2_bf16_artifact, smollm2_hf_bf16, prompts):
+    """Octavo's bf16 greedy tokens against HF's bf16 logits under teacher forcing (HF fed Octavo's tokens).
+
+    Every token must be in HF's top 5, and where it is not HF's argmax, HF's logits for the two tokens
+    must be a near tie: top - chosen <= BF16_TIE_MARGIN * |top|.
+
+    Why that margin. Octavo runs HF's op sequence (the fusion passes keep the torch backend's results
+    bit for bit), so its bf16 logits differ from HF's only through the kernels that differ: attention
+    (paged, batched by step, vs SDPA over the whole sequence) and the GEMMs, whose fp32 accumulation
+    order depends on the batch shape and on the CPU (AVX-512 BF16, AMX, or AVX2 emulation). Each rounds
+    its output to bf16 once, so where the two accumulations straddle a rounding boundary the outputs
+    differ by one rounding, at most u = 2^-8 relative. With (at most) one such differently rounded
+    output on the residual stream per layer, independent across the 30 layers, the last hidden state,
+    and with it the difference between two logits near the top, moves by about sqrt(30) * u = 2.1% of
+    the top logit; 2^-5 = 3.1% leaves 1.5x for the tails. (The final rounding of the logits themselves,
+    one bf16 spacing = 2^-8 to 2^-7 of |top|, lies inside it.) Measured on 8 prompts x 64 tokens: the
+    tokens that differ from HF's argmax are 0.46-0.70% of |top| below it with AVX-512, at most 1.7%
+    with the CPU forced down to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
+
+    Why it is not loose: HF's top-1/top-2 gap has a median of 1.5 logits, about twice the median margin
+    (0.76); HF's own runner-up lies within the margin at only 30% of the positions, so a model that
+    differs from HF by more than rounding fails at the first such token. The test checks that share too
+    (MAX_RUNNER_UP_WITHIN_MARGIN), so the margin cannot silently grow loose.
+    """
     llm = LLM(smollm2_bf16_artifact, num_kv_blocks=512)
     tokens = octavo_greedy(llm, prompts, NEW_TOKENS)
+    runner_up_within, positions = 0, 0
     for index, (prompt, ours) in enumerate(zip(prompts, tokens, strict=True)):
-        sequence = torch.tensor([prompt + ours])
         with torch.no_grad():
-            logits = hf_bf16(sequence).logits[0, len(prompt) - 1:-1].float()
-        top5 = logits.topk(5, dim=-1).indices
-        in_top5 = (top5 == torch.tensor(ours).unsqueeze(1)).any(dim=1)
-        outside = (~in_top5).nonzero().flatten().tolist()
+            logits = smollm2_hf_bf16(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
+        chosen_ids = torch.tensor(ours).unsqueeze(1)
+        top5 = logits.topk(5, dim=-1)
+        outside = (~(top5.indices == chosen_ids).any(dim=1)).nonzero().flatten().tolist()
         assert not outside, f"prompt {index}: tokens outside HF's top 5 at output positions {outside}"
-        assert ours[:16] == hf_greedy(hf_bf16, prompt, 16), f"prompt {index}: first 16 tokens differ"
+        top = top5.values[:, 0]
+        margin = BF16_TIE_MARGIN * top.abs()
+        below = top - logits.gather(1, chosen_ids).squeeze(1)
+        worst = int((below - margin).argmax())
+        assert below[worst] <= margin[worst], (
+            f"prompt {index}, output position {worst}: token {ours[worst]} is {float(below[worst]):.3f} below "
+            f"HF's top logit {float(top[worst]):.2f}, more than the bf16 near-tie margin {float(margin[worst]):.3f}")
+        runner_up_within += int((top - top5.values[:, 1] <= margin).sum())
+        positions += len(ours)
+    assert runner_up_within <= MAX_RUNNER_UP_WITHIN_MARGIN * positions, (
+        f"HF's runner-up is within the margin at {runner_up_within}/{positions} positions: the margin is loose")
     assert_pool_full(llm.engine)
 
 

@@ -86,7 +86,7 @@ def online_prompts(workload: Workload, card: dict, artifact: str | None = None) 
     if vocab_size is None and artifact is not None:
         from transformers import AutoTokenizer
 
-        from octavo.codegen.artifact import TOKENIZER_DIR
+        from octavo.ir.artifact_format import TOKENIZER_DIR
 
         vocab_size = len(AutoTokenizer.from_pretrained(Path(artifact) / TOKENIZER_DIR, local_files_only=True))
     if vocab_size is None:

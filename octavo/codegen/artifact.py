@@ -1,12 +1,12 @@
 """The artifact writer: one directory, written atomically (temp dir + rename).
 
-Layout (DESIGN.md section 3): manifest.json, graph.onnx, weights.safetensors,
-tokenizer/ (tokenizer files, chat template, generation_config.json), kernels/.
+Layout (octavo.ir.artifact_format; docs/architecture.md, "The artifact"):
+manifest.json, graph.onnx, weights.safetensors, tokenizer/ (tokenizer files,
+chat template, generation_config.json), kernels/.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,15 +19,18 @@ from safetensors.torch import save_file
 from torch.fx import GraphModule
 
 from octavo.errors import ArtifactError
+from octavo.ir.artifact_format import (
+    FORMAT_VERSION,
+    GRAPH,
+    KERNELS_DIR,
+    MANIFEST,
+    TOKENIZER_DIR,
+    WEIGHTS,
+    hash_files,
+    sha256_file,  # noqa: F401  (re-exported: callers of the writer hash with it)
+)
 
 logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-GRAPH = "graph.onnx"
-WEIGHTS = "weights.safetensors"
-TOKENIZER_DIR = "tokenizer"
-KERNELS_DIR = "kernels"
 
 
 def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> Path:
@@ -69,23 +72,6 @@ def write_artifact(output_dir: str | os.PathLike, *, graph_module: GraphModule, 
         raise
     logger.info("wrote artifact %s", target)
     return target
-
-
-def hash_files(root: Path) -> dict[str, str]:
-    """sha256 of every file under `root` except the manifest, by relative path."""
-    hashes = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and path.name != MANIFEST:
-            hashes[path.relative_to(root).as_posix()] = sha256_file(path)
-    return hashes
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_tokenizer(directory: Path, tokenizer, generation_config) -> None:

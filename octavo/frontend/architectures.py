@@ -29,6 +29,24 @@ class Architecture:
     sliding_window: bool = False
     per_layer_attention: bool = False
 
+    def sliding_windows(self, config) -> list[int]:
+        """The attention window of each layer of a model of this architecture, -1 for full attention.
+
+        Qwen2/Qwen3 record per-layer attention kinds in `layer_types`
+        ("sliding_attention" / "full_attention"). Mistral's model applies
+        `sliding_window`, when set, to every layer and ignores `layer_types`
+        even when a checkpoint's config carries one. Passes call this on
+        PassContext.architecture, so they need nothing from the frontend.
+        """
+        num_layers = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        if not self.sliding_window or not window:
+            return [-1] * num_layers
+        layer_types = getattr(config, "layer_types", None) if self.per_layer_attention else None
+        if layer_types is None:
+            return [int(window)] * num_layers
+        return [int(window) if kind == "sliding_attention" else -1 for kind in layer_types]
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama"),
@@ -49,19 +67,5 @@ def architecture_for(config) -> Architecture:
 
 
 def sliding_windows(config) -> list[int]:
-    """The attention window of each layer, -1 for full attention.
-
-    Qwen2/Qwen3 record per-layer attention kinds in `layer_types`
-    ("sliding_attention" / "full_attention"). Mistral's model applies
-    `sliding_window`, when set, to every layer and ignores `layer_types`
-    even when a checkpoint's config carries one.
-    """
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    architecture = architecture_for(config)
-    if not architecture.sliding_window or not window:
-        return [-1] * num_layers
-    layer_types = getattr(config, "layer_types", None) if architecture.per_layer_attention else None
-    if layer_types is None:
-        return [int(window)] * num_layers
-    return [int(window) if kind == "sliding_attention" else -1 for kind in layer_types]
+    """The attention window of each layer of `config`'s model, -1 for full attention (Architecture.sliding_windows)."""
+    return architecture_for(config).sliding_windows(config)

@@ -30,7 +30,9 @@ class ModelSource:
 
     kind is "hf_dir" (config.json + *.safetensors), "gguf" (a single file) or
     "bundled" (a gguf file shipped by a pip package). `checksum` is the
-    sha256 over the files that decide the weights and config.
+    sha256 over the files that decide the weights and config (config.json,
+    then every *.safetensors in name order; or the one .gguf file), each fed
+    to the digest as its file name (UTF-8) followed by its bytes.
     """
 
     name: str

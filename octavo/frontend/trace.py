@@ -19,11 +19,11 @@ from torch.fx import Graph, GraphModule
 
 from octavo.errors import OctavoError
 from octavo.frontend.sources import ModelSource
+from octavo.ir.graph_inputs import TOKEN_INPUTS
 
 logger = logging.getLogger(__name__)
 
 EXAMPLE_NUM_TOKENS = 11
-TOKEN_INPUTS = ("input_ids", "positions")
 _WRAPPER_PREFIX = "model."
 
 

@@ -21,6 +21,10 @@ _SYMBOL_HINTS = {"B": 3, "N": 3, "max_blocks": 5, "num_blocks": 17}
 class PassContext:
     """Compile config, weights (passes may transform them), model config and per-pass stats.
 
+    `architecture` is the model's Architecture (octavo.frontend.architectures):
+    passes read its traits through this object (``model_type``,
+    ``sliding_windows(model_config)``) and never import the frontend.
+
     `symbols` maps readable names ("T", "B", "max_blocks", "num_blocks", "N")
     to the SymInts of the fake mode that annotates the graph, so a pass can
     add runtime inputs with symbolic shapes. `stats` is the dict the current

@@ -10,8 +10,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
-from octavo.frontend.trace import TOKEN_INPUTS
 from octavo.ir.graph import find_nodes
+from octavo.ir.graph_inputs import INPUT_IDS, POSITIONS
 from octavo.passes.canonicalize import eliminate_dead_nodes
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, placeholder_named, split_operands, tensor_value
@@ -20,7 +20,6 @@ from octavo.passes.subgraph_evaluation import ancestors, evaluate_subgraph
 
 aten = torch.ops.aten
 octavo = torch.ops.octavo
-INPUT_IDS, POSITIONS = TOKEN_INPUTS
 CACHE_NAME = "rotary_cos_sin_cache"
 
 

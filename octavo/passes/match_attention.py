@@ -8,7 +8,6 @@ import torch
 from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
-from octavo.frontend.architectures import sliding_windows
 from octavo.ir.graph import find_nodes
 from octavo.passes.canonicalize import eliminate_dead_nodes, is_full_slice
 from octavo.passes.context import PassContext
@@ -45,7 +44,7 @@ def match_attention(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     if not sdpa_nodes:
         raise PassError("match_attention found no scaled_dot_product_attention node: the model was not traced "
                         "with attn_implementation='sdpa' or its attention is not supported")
-    windows = sliding_windows(ctx.model_config)
+    windows = ctx.architecture.sliding_windows(ctx.model_config)
     if len(windows) != len(sdpa_nodes):
         raise PassError(f"match_attention found {len(sdpa_nodes)} attention nodes for "
                         f"{len(windows)} layers in the config")

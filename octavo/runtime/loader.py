@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
-from octavo.codegen.artifact import FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS, sha256_file
 from octavo.codegen.triton_backend.sources import check_kernel_sources
 from octavo.errors import ArtifactError
+from octavo.ir.artifact_format import FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS, sha256_file
 from octavo.runtime.weights import load_safetensors_mmap
 
 logger = logging.getLogger(__name__)

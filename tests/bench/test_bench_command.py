@@ -46,9 +46,11 @@ def long_context_artifact(long_context_model, tmp_path_factory) -> Path:
     return compile_model(long_context_model, tmp_path_factory.mktemp("tiny-long-artifact") / "artifact")
 
 
-def bench(*args: str) -> str:
+def bench(*args: str, stderr: list[str] | None = None) -> str:
     result = run_cli("bench", *args)
     assert result.returncode == 0, result.stderr
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout
 
 
@@ -61,11 +63,30 @@ def identical(output: str) -> tuple[int, int]:
     return int(same), int(total)
 
 
-def test_single_versus_hugging_face(long_context_artifact):
-    output = bench(str(long_context_artifact), "--workload", "single", "--vs", "hf")
-    assert "octavo single: 1 req, 256 prompt + 128 output tokens" in engine_line(output, "octavo")
-    assert "hf single: 1 req, 256 prompt + 128 output tokens" in engine_line(output, "hf")
-    assert re.search(r"ratio single: octavo/hf output tok/s = \d+\.\d\dx", output)
+def figures(line: str) -> tuple[int, float, float]:
+    """(output tokens, seconds, output tok/s) of an engine line."""
+    tokens, seconds, rate = re.search(r"\+ (\d+) output tokens in ([0-9.]+)s = ([0-9.]+) output tok/s", line).groups()
+    return int(tokens), float(seconds), float(rate)
+
+
+def test_single_versus_hugging_face(long_context_model, long_context_artifact):
+    stderr: list[str] = []
+    output = bench(str(long_context_artifact), "--workload", "single", "--vs", "hf", stderr=stderr)
+    # The baseline is Hugging Face's own model, loaded from the source the artifact was compiled from.
+    assert re.search(rf"loading Hugging Face model .*{long_context_model.name}.* \(float32\) for the baseline",
+                     " ".join(stderr[0].split())), stderr[0]
+    ours, theirs = engine_line(output, "octavo"), engine_line(output, "hf")
+    assert "octavo single: 1 req, 256 prompt + 128 output tokens" in ours
+    assert "hf single: 1 req, 256 prompt + 128 output tokens" in theirs
+    # Each rate is its tokens over its seconds, and the ratio is the quotient of the rates, up to the
+    # printed rounding (seconds and rates to 0.05, the ratio to 0.005).
+    for line in (ours, theirs):
+        tokens, seconds, rate = figures(line)
+        assert tokens / (rate + 0.05) <= seconds + 0.05 and tokens / (rate - 0.05) >= seconds - 0.05, line
+    ratio = float(re.search(r"ratio single: octavo/hf output tok/s = (\d+\.\d\d)x", output).group(1))
+    (_, _, ours_rate), (_, _, hf_rate) = figures(ours), figures(theirs)
+    assert (ours_rate - 0.05) / (hf_rate + 0.05) - 0.005 <= ratio <= (ours_rate + 0.05) / (hf_rate - 0.05) + 0.005
+    # Hugging Face's greedy tokens (generate, run by the command) equal Octavo's for the one request.
     assert identical(output) == (1, 1)
 
 

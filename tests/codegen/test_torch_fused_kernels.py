@@ -13,7 +13,7 @@ import torch
 
 from octavo.codegen.torch_backend import KERNELS
 from octavo.ir.ops.activation import silu_and_mul_reference
-from octavo.ir.ops.fused_pointwise import Reference, encode_program, evaluate_program
+from octavo.ir.ops.fused_pointwise import Reference, encode_program
 from octavo.ir.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from octavo.ir.ops.rotary import rotary_embedding_reference
 
@@ -98,16 +98,44 @@ def test_silu_and_mul_kernel(dtype, tokens, intermediate):
     assert_same_and_inputs_untouched(KERNELS[octavo.silu_and_mul.default], silu_and_mul_reference, x)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_pointwise_kernel(dtype):
-    program = encode_program([
+def rope_program() -> str:
+    """query * cos + rotated * sin, as fuse_pointwise leaves a RoPE application it fused."""
+    return encode_program([
         {"op": "aten.mul.Tensor", "args": [Reference("input", 0), Reference("input", 1)]},
         {"op": "aten.mul.Tensor", "args": [Reference("input", 2), Reference("input", 3)]},
         {"op": "aten.add.Tensor", "args": [Reference("step", 0), Reference("step", 1)]},
     ])
+
+
+def rms_norm_program(dtype: torch.dtype) -> str:
+    """A decomposed RMSNorm with its casts: the one reduction a group may hold, and dtype arguments."""
+    return encode_program([
+        {"op": "aten._to_copy.default", "args": [Reference("input", 0)], "kwargs": {"dtype": torch.float32}},
+        {"op": "aten.pow.Tensor_Scalar", "args": [Reference("step", 0), 2]},
+        {"op": "aten.mean.dim", "args": [Reference("step", 1), [-1], True]},
+        {"op": "aten.add.Tensor", "args": [Reference("step", 2), 1e-6]},
+        {"op": "aten.rsqrt.default", "args": [Reference("step", 3)]},
+        {"op": "aten.mul.Tensor", "args": [Reference("step", 0), Reference("step", 4)]},
+        {"op": "aten._to_copy.default", "args": [Reference("step", 5)], "kwargs": {"dtype": dtype}},
+        {"op": "aten.mul.Tensor", "args": [Reference("input", 1), Reference("step", 6)]},
+    ])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_pointwise_kernel_computes_the_program_as_plain_torch_does(dtype):
+    """The expected values are the program's ops written out as eager torch code, not the interpreter."""
+    run = KERNELS[octavo.fused_pointwise.default]
     query = torch.randn(1, 7, 4, 16).to(dtype).transpose(1, 2)
     cos, sin = torch.randn(2, 1, 1, 7, 16).to(dtype)
     rotated = torch.randn(1, 4, 7, 16).to(dtype)
-    assert_same_and_inputs_untouched(lambda *inputs: KERNELS[octavo.fused_pointwise.default](list(inputs), program),
-                                     lambda *inputs: evaluate_program(list(inputs), program),
-                                     query, cos, rotated, sin)
+    assert_same_and_inputs_untouched(lambda *inputs: run(list(inputs), rope_program()),
+                                     lambda q, c, r, s: q * c + r * s, query, cos, rotated, sin)
+
+    def rms_norm_eager(x, weight):
+        hidden = x.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * hidden.to(dtype)
+
+    x, weight = strided_rows(5, 64, dtype), torch.rand(64).to(dtype) + 0.5
+    assert_same_and_inputs_untouched(lambda *inputs: run(list(inputs), rms_norm_program(dtype)), rms_norm_eager,
+                                     x, weight)

@@ -112,12 +112,33 @@ def test_format_graph_arguments_kwargs_and_missing_meta():
 # ------------------------------------------------------------------------------------------- verifying
 
 
-def test_verify_accepts_the_op_set():
-    graph_module = graph_of((aten.relu.default,), (torch.ops.prims.convert_element_type.default, torch.float64),
-                            (operator.mul, 2), (math.floor,), (torch.sym_max, 1))
-    verify_graph(graph_module)
+def local_floor(x):
+    return x
+
+
+@pytest.mark.parametrize(("allowed", "look_alike", "extra"), [
+    (aten.relu.default, torch.relu, ()),  # the ATen op, and the torch function of the same name
+    (torch.ops.prims.convert_element_type.default, foreign_double._opoverload, (torch.float64,)),
+    (operator.mul, torch.mul, (2,)),
+    (math.floor, local_floor, ()),
+    (torch.sym_max, torch.max, (1,)),  # of module torch only the symbolic-size helpers
+])
+def test_verify_accepts_each_kind_of_the_op_set_and_not_its_look_alike(allowed, look_alike, extra):
+    """The same one-node graph passes with the allowed target and fails, naming the node, with the other."""
+    verify_graph(graph_of((allowed, *extra)))  # raises OctavoError if it is not accepted
+    with pytest.raises(OctavoError, match=r"graph node \w+ calls .* outside the Octavo op set"):
+        verify_graph(graph_of((look_alike, *extra)))
+
+
+def test_verify_accepts_a_traced_aten_graph_and_rejects_it_after_one_foreign_call():
     traced = make_fx(lambda x: torch.nn.functional.linear(x, x).softmax(-1))(torch.randn(3, 3))
+    ops = op_histogram(traced)
+    assert ops and all(name.startswith("aten.") for name in ops), ops
     verify_graph(traced)
+    softmax = next(node for node in traced.graph.nodes if op_name(node).startswith("aten._softmax"))
+    softmax.target = torch.softmax
+    with pytest.raises(OctavoError, match=rf"graph node {softmax.name} calls"):
+        verify_graph(traced)
 
 
 def test_verify_accepts_octavo_ops():
@@ -131,6 +152,10 @@ def test_verify_accepts_octavo_ops():
     graph_module = make_fx(attend)(*inputs)
     assert count_ops(graph_module, "octavo.paged_attention") == 1
     verify_graph(graph_module)
+    attention = find_nodes(graph_module, torch.ops.octavo.paged_attention.default)[0]
+    attention.target = foreign_double._opoverload  # the same node, an op of another namespace
+    with pytest.raises(OctavoError, match=rf"graph node {attention.name} calls .*octavo_test_foreign"):
+        verify_graph(graph_module)
 
 
 def local_helper(x):

@@ -1,4 +1,4 @@
-"""The bundled SmolLM2 (30 layers) after the whole default pipeline: the per-layer op structure issue 4 asks for."""
+"""The bundled SmolLM2 (30 layers) after the whole default pipeline: one fused op structure per layer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from octavo.codegen.artifact import GRAPH, MANIFEST
+from octavo.ir.artifact_format import GRAPH, MANIFEST
 from octavo.ir.onnx_io import import_graph_from_onnx
 from tests.conftest import run_cli
 

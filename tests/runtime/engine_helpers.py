@@ -33,3 +33,20 @@ def greedy(max_tokens: int, **extra) -> SamplingParams:
 def random_tokens(rng: random.Random, length: int) -> list[int]:
     """`length` token ids clear of the tokenizer's special ids (0-2)."""
     return [rng.randrange(3, 49000) for _ in range(length)]
+
+
+def observe_recompute_preemptions(engine: LLMEngine, last_computed: dict[str, int]) -> int:
+    """Preemptions by recompute since the previous call, counted from what the sequences show.
+
+    A recompute preemption sends a sequence back to zero computed tokens (and
+    it cannot be re-admitted in the step that preempted it), so a fall in a
+    sequence's computed-token count between two steps is one preemption.
+    `last_computed` (sequence id -> computed tokens) carries the previous view.
+    """
+    preempted = 0
+    for request in engine.requests.values():
+        for seq in request.sequences:
+            if seq.num_computed_tokens < last_computed.get(seq.seq_id, 0):
+                preempted += 1
+            last_computed[seq.seq_id] = seq.num_computed_tokens
+    return preempted

@@ -16,7 +16,8 @@ from octavo.runtime.sequence import Sequence
 
 
 def reference_inputs(scheduled: list[ScheduledSequence], block_size: int) -> dict:
-    """The step inputs, one token at a time, straight from the definitions in DESIGN.md."""
+    """The step inputs, one token at a time, straight from the definitions (octavo.ir.ops.attention.paged_attention,
+    docs/architecture.md, "The graph and the op set")."""
     input_ids, positions, slots, query_start_loc, seq_lens, logits_indices = [], [], [], [0], [], []
     for item in scheduled:
         seq = item.seq

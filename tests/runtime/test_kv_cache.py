@@ -54,8 +54,14 @@ def test_copy_blocks_moves_exactly_the_given_blocks_in_every_layer():
         for block in (1, 2, 3, 4):
             assert torch.equal(tensor[block], before[name][block]), f"{name} block {block} changed"
     assert all(torch.equal(tensor, host_before[name]) for name, tensor in cache.host_tensors.items())
+
+
+def test_copy_blocks_of_no_pairs_changes_nothing():
+    cache = filled_cache()
+    before, host_before = snapshot(cache.tensors), snapshot(cache.host_tensors)
     cache.copy_blocks([])
-    assert all(torch.equal(cache.tensors[name], tensor) for name, tensor in snapshot(cache.tensors).items())
+    assert all(torch.equal(tensor, before[name]) for name, tensor in cache.tensors.items())
+    assert all(torch.equal(tensor, host_before[name]) for name, tensor in cache.host_tensors.items())
 
 
 def test_swap_out_copies_device_blocks_into_the_given_host_blocks():

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from octavo.codegen.artifact import FORMAT_VERSION
 from octavo.config import EngineConfig
 from octavo.errors import ArtifactError
+from octavo.ir.artifact_format import FORMAT_VERSION
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact, read_manifest
 from tests.conftest import assert_pool_full
@@ -134,11 +134,15 @@ def test_weights_are_memory_mapped_and_bound_without_copies(tiny_artifact):
         assert buffer.data_ptr() == pointers[name], f"{name} was copied when bound to the graph"
 
 
-def test_loaded_artifact_describes_itself(tiny_artifact):
+def test_loaded_artifact_describes_itself(tiny_artifact, smollm2_source):
     loaded = load_artifact(tiny_artifact("llama"))
     assert loaded.eos_token_ids == [2]
     assert loaded.kv_layout["num_layers"] == 2 and loaded.kv_layout["num_kv_heads"] == 2
-    assert loaded.tokenizer.encode("Hello world") == loaded.tokenizer("Hello world")["input_ids"]
+    # The artifact's tokenizer is the one the tiny model ships (the bundled model's): same ids, same template.
+    source = smollm2_source.tokenizer
+    text = "Hello world, what is 17 x 23? <|im_start|>"
+    assert loaded.tokenizer.encode(text) == source.encode(text) and len(source.encode(text)) > 5
+    assert loaded.tokenizer.chat_template == source.chat_template is not None
     placeholders = [node.name for node in loaded.graph_module.graph.nodes if node.op == "placeholder"]
     assert set(loaded.weights) <= set(placeholders)
     assert {"input_ids", "positions", "slot_mapping"} <= set(placeholders)

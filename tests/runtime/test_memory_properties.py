@@ -1,41 +1,62 @@
-"""Block manager + scheduler together, model-free, under random workloads (hypothesis).
+"""The engine's KV memory under random workloads (hypothesis), driving the real LLMEngine.
 
-The test drives `Scheduler.schedule()` and then does what the engine does
-with a step: swap-outs, copy-on-write copies and swap-ins move block
-contents; the step writes every scheduled token's K/V; computed counts
-advance and full blocks enter the prefix cache; sampled sequences get a
-token, parallel samples are forked from sample 0 after its prompt, beams
-are forked from their parent and the parent is freed. Requests arrive at
-random steps with prompts that share prefixes, and are aborted at random.
+A tiny random-weight llama (vocabulary 512, KV blocks of 4 tokens, so short
+sequences span several blocks) is compiled once. Each example builds an
+LLMEngine on it with a small pool and random limits (preemption by
+recompute or swap, prefix caching on or off, block hash functions that
+collide, token budget, max_num_seqs), submits requests at random steps
+(prompts that share prefixes and whole blocks; greedy single requests and
+n > 1 parallel samples; priorities), aborts some at random, and steps the
+engine until it is idle. So the scheduler, the block manager and the
+engine's own step run as they do when serving: LLMEngine._move_blocks
+(swap-outs, copy-on-write copies and swap-ins on the real KV pool) and
+LLMEngine._fork_siblings (parallel samples sharing sample 0's blocks). Beam
+search, which forks beams and frees their parents, has its own test.
 
-The KV pool is simulated: the "K/V" written at position p of a sequence is
-the tuple of its tokens 0..p, which is exactly what a real K/V depends on.
-So a step that reads a slot holding anything else (a wrong prefix-cache
-hit, a missed copy-on-write, a lost swap) is caught by comparing tuples.
-After every step the block accounting is checked against its definition.
+After every step the block accounting is checked against its definition
+(reference counts = block-table references, exact free lists, a consistent
+prefix cache, host blocks held exactly by swapped sequences). Every sampled
+row's logits must equal Hugging Face's logits for the tokens its sequence
+holds (fp32 eager, max abs difference LOGITS_TOLERANCE, as in
+test_architectures): a step that attends to a slot holding anything else (a
+wrong prefix-cache hit, a missed or misordered copy-on-write, a lost swap)
+moves them by orders of magnitude more (with LLMEngine._move_blocks skipping
+its copy-on-write copies, every test here fails, by logits 2.5 off).
 """
 
 from __future__ import annotations
 
-import itertools
+import shutil
 from dataclasses import dataclass, field
 
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
+from octavo.compiler import compile_model
+from octavo.config import CompileConfig, EngineConfig
+from octavo.runtime.beam_search import BeamSearchParams, beam_search
 from octavo.runtime.block_manager import BlockManager, default_block_hash
+from octavo.runtime.engine import LLMEngine
 from octavo.runtime.host_pool import HostBlockPool
+from octavo.runtime.kv_cache import bytes_per_block
+from octavo.runtime.loader import load_artifact
 from octavo.runtime.sampling_params import SamplingParams
-from octavo.runtime.scheduler import Scheduler, SchedulerOutput
-from octavo.runtime.sequence import Sequence, SequenceStatus
+from octavo.runtime.sequence import Sequence
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK_SIZE = 4
-SHARED_PREFIXES = [tuple(range(1000, 1013)), tuple(range(2000, 2009))]
-BLOCK_PIECES = [(1, 2, 3, 4), (9, 2, 3, 4)]  # they differ only in their first token
+VOCAB_SIZE = 512
+SHARED_PREFIXES = [tuple(range(100, 113)), tuple(range(200, 209))]
+BLOCK_PIECES = [(11, 12, 13, 14), (19, 12, 13, 14)]  # they differ only in their first token
 MAX_PROMPT = 16
 MAX_OUTPUT = 8
-BEAM_WIDTH = 3
-SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+LOGITS_TOLERANCE = 1e-4
+SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
+             HealthCheck.function_scoped_fixture]
 
 
 def hash_ignoring_first_token(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -49,6 +70,41 @@ def constant_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 HASH_FUNCTIONS = {"default": default_block_hash, "ignores-first-token": hash_ignoring_first_token,
                   "constant": constant_hash}
+
+
+class Model:
+    """The compiled artifact and HF's model (a plain class: hypothesis prints it by this repr)."""
+
+    def __init__(self, artifact, hf: torch.nn.Module):
+        self.artifact, self.hf = artifact, hf
+
+    def __repr__(self) -> str:
+        return "Model(tiny llama, vocabulary 512, 4-token blocks)"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer_dir) -> Model:
+    """The tiny llama with a 512-token vocabulary, compiled with 4-token KV blocks, and HF's own copy of it."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny-llama-small-vocab")
+    make_tiny_model("llama", vocab_size=VOCAB_SIZE).save_pretrained(directory)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    path = compile_model(directory, tmp_path_factory.mktemp("small-vocab-artifact") / "artifact",
+                         CompileConfig(block_size=BLOCK_SIZE))
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    return Model(load_artifact(path), hf)
+
+
+def make_engine(model: Model, *, mode: str = "recompute", caching: bool = True, hash_name: str = "default",
+                num_blocks: int = 8, num_host_blocks: int = 4, max_num_seqs: int = 4, budget: int = 16) -> LLMEngine:
+    layout = model.artifact.kv_layout
+    engine = LLMEngine(model.artifact, EngineConfig(
+        num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        enable_prefix_caching=caching, preemption_mode=mode, swap_space=num_host_blocks * bytes_per_block(layout)))
+    engine.block_manager.hash_function = HASH_FUNCTIONS[hash_name]
+    return engine
 
 
 # ---- invariants, from the definitions ----
@@ -94,206 +150,142 @@ def check_host_pool(host_pool: HostBlockPool | None, swapped: list[Sequence], ot
     assert all(not seq.host_block_table for seq in others), "a sequence that is not swapped holds host blocks"
 
 
-# ---- the simulated engine ----
-
-@dataclass(eq=False)
-class Group:
-    """One request: a single sequence, n parallel samples, or beams."""
-
-    kind: str  # "single" | "parallel" | "beam"
-    prompt: list[int]
-    output_length: int
-    n: int = 1
-    priority: int = 0
-    sequences: list[Sequence] = field(default_factory=list)
-    forked: bool = False
-
-    @property
-    def live(self) -> list[Sequence]:
-        return [seq for seq in self.sequences if not seq.is_finished]
+def check_engine_state(engine: LLMEngine) -> None:
+    scheduler, manager = engine.scheduler, engine.block_manager
+    live = [seq for request in engine.requests.values() for seq in request.sequences if not seq.is_finished]
+    queued = scheduler.running + scheduler.waiting + scheduler.swapped
+    assert {id(seq) for seq in live} == {id(seq) for seq in queued}, "a live sequence is not queued exactly once"
+    assert len(queued) == len(live)
+    check_block_manager(manager, live)
+    check_host_pool(scheduler.host_pool, scheduler.swapped, scheduler.running + scheduler.waiting)
+    for seq in scheduler.running:
+        assert len(seq.block_table) >= manager.blocks_for_tokens(seq.num_computed_tokens)
+    for seq in scheduler.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for seq in scheduler.swapped:
+        assert seq.block_table == []
+        assert len(seq.host_block_table) >= manager.blocks_for_tokens(seq.num_computed_tokens)
 
 
-class SimulatedEngine:
-    def __init__(self, data, mode: str, caching: bool, hash_name: str, num_blocks: int, num_host_blocks: int,
-                 max_num_seqs: int, budget: int):
-        self.data = data
-        self.manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=caching,
-                                    hash_function=HASH_FUNCTIONS[hash_name])
-        self.host_pool = HostBlockPool(num_host_blocks) if mode == "swap" else None
-        self.scheduler = Scheduler(self.manager, max_num_seqs, budget, mode, self.host_pool)
-        self.device_kv = [[None] * BLOCK_SIZE for _ in range(num_blocks)]
-        self.host_kv = [[None] * BLOCK_SIZE for _ in range(num_host_blocks)]
-        self.groups: list[Group] = []
-        self.token_counter = itertools.count(5000)
-        self.steps = 0
+def assert_pool_complete(engine: LLMEngine) -> None:
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "the pool is not complete again"
+    assert manager.ref_counts == [0] * manager.num_blocks
+    host_pool = engine.scheduler.host_pool
+    if host_pool is not None:
+        assert host_pool.num_free_blocks == host_pool.num_blocks, "host blocks leaked"
 
-    # -- requests --
 
-    def add(self, group: Group) -> None:
-        seq = Sequence(f"r{len(self.groups)}", 0, list(group.prompt), SamplingParams(), detokenizer=None,
-                       priority=group.priority)
-        group.sequences.append(seq)
-        self.groups.append(group)
-        self.scheduler.add(seq)
+def assert_rows_match_hf(hf: torch.nn.Module, rows: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    """Each (context, logits row) against HF's logits at the context's last token.
 
-    def abort(self, group: Group) -> None:
-        for seq in group.live:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            assert seq.block_table == [] and seq.host_block_table == []
+    Contexts that are prefixes of a longer one share its forward: the longest
+    contexts run as one batch, right-padded (causal attention never reads a
+    later position, so padding changes no earlier row).
+    """
+    if not rows:  # every request was aborted before it was scheduled
+        return
+    longest: list[tuple[int, ...]] = []
+    for context in sorted({context for context, _ in rows}, key=len, reverse=True):
+        if not any(other[:len(context)] == context for other in longest):
+            longest.append(context)
+    batch = torch.zeros(len(longest), len(longest[0]), dtype=torch.int64)
+    for index, context in enumerate(longest):
+        batch[index, :len(context)] = torch.tensor(context)
+    with torch.no_grad():
+        expected = hf(batch).logits
+    worst = 0.0
+    for context, row in rows:
+        index = next(index for index, other in enumerate(longest) if other[:len(context)] == context)
+        worst = max(worst, (expected[index, len(context) - 1] - row).abs().max().item())
+    assert worst <= LOGITS_TOLERANCE, f"a sampled row's logits differ from HF's by {worst}"
 
-    def all_sequences(self) -> list[Sequence]:
-        return [seq for group in self.groups for seq in group.live]
 
-    # -- one step --
+# ---- driving the engine ----
 
-    def step(self) -> SchedulerOutput:
-        output = self.scheduler.schedule()
-        self.check_schedule(output)
-        self.move_blocks(output)
-        self.run(output)
-        for item in output.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.manager.cache_full_blocks(item.seq)
-        self.sample([item.seq for item in output.scheduled if item.seq.num_computed_tokens == item.seq.num_tokens])
-        self.steps += 1
-        self.check_state()
-        return output
+@dataclass
+class Workload:
+    """Submits, aborts and steps one engine; checks every step; keeps every sampled row's logits."""
 
-    def move_blocks(self, output: SchedulerOutput) -> None:
-        """The engine's order: swap-outs read first, then copy-on-write, then swap-ins."""
-        for device_block, host_block in output.swap_out:
-            self.host_kv[host_block] = list(self.device_kv[device_block])
-        copies = self.manager.take_pending_copies()
-        destinations = [copy.destination for copy in copies]
-        assert len(destinations) == len(set(destinations)), "two copies write the same block in one step"
-        sources = [list(self.device_kv[copy.source]) for copy in copies]
-        for copy, contents in zip(copies, sources, strict=True):
-            self.device_kv[copy.destination] = contents
-        for host_block, device_block in output.swap_in:
-            self.device_kv[device_block] = list(self.host_kv[host_block])
+    data: object
+    engine: LLMEngine
+    rows: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+    expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (n, tokens per sample)
+    aborted: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
 
-    def run(self, output: SchedulerOutput) -> None:
-        """Write every scheduled token's K/V, then check every slot each sequence attends to."""
-        for item in output.scheduled:
-            seq = item.seq
-            for position in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
-                self.slot(seq, position)[position % BLOCK_SIZE] = tuple(seq.token_ids[:position + 1])
-        for item in output.scheduled:
-            seq = item.seq
-            for position in range(seq.num_computed_tokens + item.num_new_tokens):
-                found = self.slot(seq, position)[position % BLOCK_SIZE]
-                assert found == tuple(seq.token_ids[:position + 1]), (
-                    f"{seq.seq_id} reads wrong K/V at position {position}")
+    def submit(self, prompt: list[int], n: int, max_tokens: int, priority: int) -> None:
+        request_id = f"r{len(self.expected)}"
+        params = (SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True) if n > 1
+                  else SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        self.expected[request_id] = (n, min(max_tokens, self.engine.max_model_len - len(prompt)))
 
-    def slot(self, seq: Sequence, position: int) -> list:
-        return self.device_kv[seq.block_table[position // BLOCK_SIZE]]
+    def abort(self, request_id: str) -> None:
+        request = self.engine.requests[request_id]
+        self.engine.abort_request(request_id)
+        assert all(seq.block_table == [] and seq.host_block_table == [] for seq in request.sequences)
+        self.aborted.add(request_id)
+        check_engine_state(self.engine)
 
-    def sample(self, sampled: list[Sequence]) -> None:
-        for seq in sampled:
-            group = next(group for group in self.groups if seq in group.sequences)
-            if group.kind == "beam":
-                self.fork_beams(group, seq)
-                continue
-            samples = [seq]
-            if group.kind == "parallel" and not group.forked:
-                samples += self.fork_parallel_samples(group, seq)
-            for sample in samples:
-                self.append(group, sample)
+    def step(self) -> None:
+        engine, scheduler = self.engine, self.engine.scheduler
+        decodes_before = [seq for seq in scheduler.running if seq.num_uncomputed_tokens == 1]
+        steps_before = engine.num_steps
+        for output in engine.step():
+            if output.finished:
+                self.check_finished(output)
+        assert engine.num_steps == steps_before + 1, "no progress although sequences are unfinished"
+        record = engine.last_step
+        self.check_schedule(record.schedule, decodes_before)
+        for row, scheduled_index in enumerate(record.inputs.sampled_rows):
+            seq = record.schedule.scheduled[scheduled_index].seq
+            self.rows.append((tuple(seq.token_ids[:seq.num_computed_tokens]), record.logits[row].clone()))
+        check_engine_state(engine)
 
-    def fork_parallel_samples(self, group: Group, first: Sequence) -> list[Sequence]:
-        """As LLMEngine does: siblings share sample 0's blocks once its prompt is computed."""
-        group.forked = True
-        siblings = []
-        for index in range(1, group.n):
-            sibling = first.fork(index, None)
-            self.manager.fork(first, sibling)
-            self.scheduler.add_running(sibling)
-            siblings.append(sibling)
-        group.sequences += siblings
-        return siblings
+    def check_schedule(self, schedule, decodes_before: list[Sequence]) -> None:
+        scheduler = self.engine.scheduler
+        assert 0 < schedule.num_batched_tokens <= scheduler.max_num_batched_tokens
+        assert len(schedule.scheduled) <= scheduler.max_num_seqs
+        assert all(item.num_new_tokens >= 1 for item in schedule.scheduled)
+        scheduled = {id(item.seq) for item in schedule.scheduled}
+        preempted = {id(seq) for seq in schedule.preempted}
+        left_out = [seq for seq in decodes_before if id(seq) not in scheduled | preempted]
+        if left_out:
+            assert (schedule.num_batched_tokens == scheduler.max_num_batched_tokens
+                    or len(schedule.scheduled) == scheduler.max_num_seqs), "a decode was left out with room left"
 
-    def fork_beams(self, group: Group, parent: Sequence) -> None:
-        """As beam search does: children are forks of the parent with one more token; the parent is freed."""
-        if parent.num_output_tokens >= group.output_length:
-            self.scheduler.finish(parent, SequenceStatus.FINISHED_LENGTH)
+    def check_finished(self, output) -> None:
+        self.finished.add(output.request_id)
+        if output.request_id in self.aborted:
             return
-        room = BEAM_WIDTH - len(group.live) + 1
-        for _ in range(min(room, self.data.draw(st.sampled_from([1, 2, 0]), label="children"))):
-            child = parent.fork(len(group.sequences), None)
-            self.manager.fork(parent, child)
-            child.append_token(next(self.token_counter))
-            self.scheduler.add_running(child)
-            group.sequences.append(child)
-        self.scheduler.finish(parent, SequenceStatus.FINISHED_STOPPED)
+        n, length = self.expected[output.request_id]
+        assert len(output.outputs) == n
+        for completion in output.outputs:
+            assert (len(completion.token_ids), completion.finish_reason) == (length, "length"), output.request_id
 
-    def append(self, group: Group, seq: Sequence) -> None:
-        if seq.is_finished:
-            return
-        # Half the time a token seen before, so later prompts and outputs share full blocks.
-        token = self.data.draw(st.sampled_from([7, 8, next(self.token_counter)]), label="token")
-        seq.append_token(token)
-        if seq.num_output_tokens >= group.output_length:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    def run(self, max_requests: int, parallel_only: bool = False, forms=("blocks", "shared-prefix")) -> None:
+        data, engine = self.data, self.engine
+        submitted = 0
+        while submitted < max_requests or engine.has_unfinished_requests():
+            assert engine.num_steps < 500, "the workload did not finish"
+            if submitted < max_requests:
+                idle = not engine.has_unfinished_requests()
+                for _ in range(data.draw(st.integers(1 if idle else 0, 2), label="arrivals")):
+                    if submitted < max_requests:
+                        n = data.draw(st.integers(2, 4) if parallel_only else st.sampled_from([1, 1, 2, 3, 4]),
+                                      label="n")
+                        self.submit(data.draw(prompts(forms), label="prompt"), n,
+                                    data.draw(st.integers(1, MAX_OUTPUT), label="max_tokens"),
+                                    data.draw(st.integers(0, 2), label="priority"))
+                        submitted += 1
+            if engine.requests and data.draw(st.integers(0, 9), label="abort?") == 9:
+                self.abort(data.draw(st.sampled_from(sorted(engine.requests)), label="aborted"))
+            if engine.has_unfinished_requests():
+                self.step()
+        assert set(self.expected) == self.finished | self.aborted
+        assert_pool_complete(engine)
 
-    # -- checks --
-
-    def check_schedule(self, output: SchedulerOutput) -> None:
-        scheduler = self.scheduler
-        assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert len(output.scheduled) <= scheduler.max_num_seqs
-        if scheduler.has_unfinished():
-            assert not output.is_empty, "no progress although sequences are unfinished"
-        for item in output.scheduled:
-            seq = item.seq
-            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens >= 1
-            assert seq.num_computed_tokens + item.num_new_tokens <= seq.num_tokens
-            assert len(seq.block_table) >= self.manager.blocks_for_tokens(seq.num_computed_tokens + item.num_new_tokens)
-        decodes = [item for item in output.scheduled if item.seq.num_uncomputed_tokens == 1]
-        running_decodes = [seq for seq in scheduler.running if seq.num_uncomputed_tokens == 1]
-        if len(decodes) < len(running_decodes):
-            assert (output.num_batched_tokens == scheduler.max_num_batched_tokens
-                    or len(output.scheduled) == scheduler.max_num_seqs), "a decode was left out although room remained"
-
-    def check_state(self) -> None:
-        scheduler = self.scheduler
-        live = self.all_sequences()
-        assert {id(seq) for seq in live} == {id(seq) for seq in scheduler.running + scheduler.waiting
-                                             + scheduler.swapped}, "a live sequence is not queued exactly once"
-        assert len(scheduler.running + scheduler.waiting + scheduler.swapped) == len(live)
-        check_block_manager(self.manager, live)
-        check_host_pool(self.host_pool, scheduler.swapped, scheduler.running + scheduler.waiting)
-        for seq in scheduler.running:
-            assert len(seq.block_table) >= self.manager.blocks_for_tokens(seq.num_computed_tokens)
-        for seq in scheduler.waiting:
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
-        for seq in scheduler.swapped:
-            assert seq.block_table == []
-            assert len(seq.host_block_table) >= self.manager.blocks_for_tokens(seq.num_computed_tokens)
-            for position in range(seq.num_computed_tokens):
-                stored = self.host_kv[seq.host_block_table[position // BLOCK_SIZE]][position % BLOCK_SIZE]
-                assert stored == tuple(seq.token_ids[:position + 1]), f"{seq.seq_id} lost K/V in the host pool"
-        for block in self.manager.blocks:
-            if block.block_hash is not None:
-                last = self.device_kv[block.block_id][BLOCK_SIZE - 1]
-                assert last is not None and last[-BLOCK_SIZE:] == block.token_ids, (
-                    "a cached block does not hold the tokens it is cached under")
-                assert chain_hash(self.manager, last) == block.block_hash, (
-                    "a cached block's contents were computed under another prefix than its hash chain says")
-                parent = next((other for other in self.manager.blocks
-                               if block.parent_cache_id is not None and other.cache_id == block.parent_cache_id), None)
-                if parent is not None:
-                    assert self.device_kv[parent.block_id][BLOCK_SIZE - 1] == last[:-BLOCK_SIZE], (
-                        "a cached block's recorded parent holds another prefix")
-
-
-def chain_hash(manager: BlockManager, tokens: tuple[int, ...]) -> int | None:
-    parent = None
-    for start in range(0, len(tokens), BLOCK_SIZE):
-        parent = manager.hash_function(parent, tuple(tokens[start:start + BLOCK_SIZE]))
-    return parent
-
-
-# ---- the workload ----
 
 @st.composite
 def prompts(draw, forms=("blocks", "shared-prefix")) -> list[int]:
@@ -310,69 +302,77 @@ def prompts(draw, forms=("blocks", "shared-prefix")) -> list[int]:
     return list(prefix) + tail
 
 
-@st.composite
-def groups(draw, kinds=("single", "single", "parallel", "beam"), forms=("blocks", "shared-prefix")) -> Group:
-    kind = draw(st.sampled_from(kinds))
-    return Group(kind, draw(prompts(forms)), draw(st.integers(1, MAX_OUTPUT)),
-                 n=draw(st.integers(2, 4)) if kind == "parallel" else 1, priority=draw(st.integers(0, 2)))
-
-
-def run_workload(data, engine: SimulatedEngine, max_groups: int, kinds=("single", "single", "parallel", "beam"),
-                 forms=("blocks", "shared-prefix")) -> None:
-    arrivals = 0
-    while arrivals < max_groups or engine.scheduler.has_unfinished():
-        assert engine.steps < 1000, "the workload did not finish"
-        if arrivals < max_groups:
-            idle = not engine.scheduler.has_unfinished()
-            for _ in range(data.draw(st.integers(1 if idle else 0, 2), label="arrivals")):
-                if arrivals < max_groups:
-                    engine.add(data.draw(groups(kinds, forms), label="group"))
-                    arrivals += 1
-        live_groups = [group for group in engine.groups if group.live]
-        if live_groups and data.draw(st.integers(0, 9), label="abort?") == 9:
-            engine.abort(data.draw(st.sampled_from(live_groups), label="aborted"))
-            engine.check_state()
-        if engine.scheduler.has_unfinished():
-            engine.step()
-    manager = engine.manager
-    assert manager.num_free_blocks == manager.num_blocks, "the pool is not complete again"
-    assert manager.ref_counts == [0] * manager.num_blocks
-    if engine.host_pool is not None:
-        assert engine.host_pool.num_free_blocks == engine.host_pool.num_blocks, "host blocks leaked"
-    assert all(seq.is_finished for group in engine.groups for seq in group.sequences)
-    for group in engine.groups:
-        for seq in group.sequences:
-            if seq.status is SequenceStatus.FINISHED_LENGTH:
-                assert seq.num_output_tokens == group.output_length
-
-
 # The longest sequence has MAX_PROMPT + MAX_OUTPUT tokens = 6 blocks; a pool of 6 to 12 blocks forces preemption.
-@settings(max_examples=300, deadline=None, suppress_health_check=SLOW_DATA)
+@settings(max_examples=60, deadline=None, suppress_health_check=SLOW_DATA)
 @given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        hash_name=st.sampled_from(sorted(HASH_FUNCTIONS)), num_blocks=st.integers(6, 12),
        num_host_blocks=st.integers(1, 10), max_num_seqs=st.integers(1, 6), budget=st.integers(1, 24),
-       max_groups=st.integers(2, 8))
+       max_requests=st.integers(2, 8))
 def test_random_workloads_keep_every_invariant_and_end_with_the_pool_complete(
-        data, mode, caching, hash_name, num_blocks, num_host_blocks, max_num_seqs, budget, max_groups):
-    engine = SimulatedEngine(data, mode, caching, hash_name, num_blocks, num_host_blocks, max_num_seqs, budget)
-    run_workload(data, engine, max_groups)
+        model, data, mode, caching, hash_name, num_blocks, num_host_blocks, max_num_seqs, budget, max_requests):
+    engine = make_engine(model, mode=mode, caching=caching, hash_name=hash_name, num_blocks=num_blocks,
+                         num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs, budget=budget)
+    workload = Workload(data, engine)
+    workload.run(max_requests)
+    assert_rows_match_hf(model.hf, workload.rows)
     target(float(engine.scheduler.num_preemptions), label="preemptions")  # steer the search towards pressure
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=SLOW_DATA)
-@given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]), budget=st.integers(1, 24))
-def test_tiny_pool_with_parallel_samples_preempts_and_stays_consistent(data, mode, budget):
-    """A pool that holds exactly one longest sequence, all requests n>1: preemption on almost every step."""
-    engine = SimulatedEngine(data, mode, True, "default", 6, 6, 6, budget)
-    run_workload(data, engine, 3, kinds=("parallel",))
+@settings(max_examples=100, deadline=None, suppress_health_check=SLOW_DATA)
+@given(data=st.data(), mode=st.sampled_from(["swap", "swap", "recompute"]), budget=st.integers(1, 24))
+def test_tiny_pool_with_parallel_samples_preempts_and_stays_consistent(model, data, mode, budget):
+    """A pool that holds exactly one longest sequence, all requests n>1: preemption on almost every step.
+
+    Swap mode is drawn twice as often and the search is steered towards swap preemptions: a swap-out
+    in the step that also copies a shared block is where the order of the engine's block moves
+    matters (running the copies before the swap-outs fails here within about 100 examples).
+    """
+    engine = make_engine(model, mode=mode, num_blocks=6, num_host_blocks=6, max_num_seqs=6, budget=budget)
+    workload = Workload(data, engine)
+    workload.run(3, parallel_only=True)
+    assert_rows_match_hf(model.hf, workload.rows)
+    target(float(engine.scheduler.preemptions["swap"]), label="swap preemptions")
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=SLOW_DATA)
+@settings(max_examples=30, deadline=None, suppress_health_check=SLOW_DATA)
 @given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]),
        hash_name=st.sampled_from(["ignores-first-token", "constant"]), num_blocks=st.integers(8, 16),
-       budget=st.integers(1, 24), max_groups=st.integers(3, 8))
+       budget=st.integers(1, 24), max_requests=st.integers(3, 8))
 def test_colliding_hash_functions_never_make_a_sequence_read_another_prefix(
-        data, mode, hash_name, num_blocks, budget, max_groups):
+        model, data, mode, hash_name, num_blocks, budget, max_requests):
     """Prompts built from blocks that collide under these hash functions: hits must be confirmed."""
-    engine = SimulatedEngine(data, mode, True, hash_name, num_blocks, 8, 4, budget)
-    run_workload(data, engine, max_groups, kinds=("single", "single", "parallel"), forms=("blocks",))
+    engine = make_engine(model, mode=mode, hash_name=hash_name, num_blocks=num_blocks, num_host_blocks=8,
+                         max_num_seqs=4, budget=budget)
+    workload = Workload(data, engine)
+    workload.run(max_requests, forms=("blocks",))
+    assert_rows_match_hf(model.hf, workload.rows)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=SLOW_DATA)
+@given(prompt_list=st.lists(prompts(), min_size=1, max_size=3), beam_width=st.integers(1, 3),
+       max_tokens=st.integers(1, 6), mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       num_blocks=st.integers(6, 12))
+def test_beam_search_forks_and_frees_beams_and_scores_them_as_hf_does(
+        model, prompt_list, beam_width, max_tokens, mode, caching, num_blocks):
+    """Beams share their parent's blocks (copy-on-write for the partial last block) and parents are freed.
+
+    Every returned hypothesis' cumulative logprob must be HF's log-softmax summed over its generated
+    tokens (so every beam read the right K/V), and afterwards the pool is complete.
+    """
+    engine = make_engine(model, mode=mode, caching=caching, num_blocks=num_blocks, num_host_blocks=8)
+    outputs = beam_search(engine, prompt_list, BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+    assert_pool_complete(engine)
+    assert not engine.has_unfinished_requests()
+    for prompt, output in zip(prompt_list, outputs, strict=True):
+        assert len(output.sequences) == beam_width  # EOS ignored: every beam lives to the end
+        for hypothesis in output.sequences:
+            assert hypothesis.tokens[:len(prompt)] == prompt
+            generated = len(hypothesis.tokens) - len(prompt)
+            assert generated == max_tokens  # prompts of at most 16 tokens + 6 fit max_model_len (24 or more)
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model.hf(torch.tensor([hypothesis.tokens])).logits[0].float(), dim=-1)
+            expected = sum(float(logprobs[position - 1, hypothesis.tokens[position]])
+                           for position in range(len(prompt), len(hypothesis.tokens)))
+            assert abs(hypothesis.cum_logprob - expected) <= LOGITS_TOLERANCE * generated, (
+                hypothesis.cum_logprob, expected)

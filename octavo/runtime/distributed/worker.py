@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.std import tqdm
 
-from octavo.codegen.artifact import GRAPH, WEIGHTS
 from octavo.config import EngineConfig
+from octavo.ir.artifact_format import GRAPH, WEIGHTS
 from octavo.runtime.distributed.topology import Topology
 
 logger = logging.getLogger(__name__)

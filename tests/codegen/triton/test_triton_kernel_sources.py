@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
-from octavo.codegen.artifact import KERNELS_DIR, MANIFEST, sha256_file
 from octavo.codegen.triton_backend.pointwise_codegen import generate_source, kernel_name
 from octavo.codegen.triton_backend.sources import check_kernel_sources, kernel_sources, template_source
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig, EngineConfig
+from octavo.ir.artifact_format import KERNELS_DIR, MANIFEST, sha256_file
 from octavo.ir.ops.fused_pointwise import Reference, encode_program
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact

@@ -1,6 +1,6 @@
 """The bundled SmolLM2-135M (real weights) on the triton backend: greedy tokens are Hugging Face's.
 
-On CUDA this is the end-to-end equivalence check of the first issue (eight
+On CUDA this is the end-to-end equivalence check of tests/test_smollm2.py (eight
 chat prompts, 64 greedy tokens each, batched). On CPU the kernels run in
 Triton's interpreter, about a hundred times slower, so the check is the
 same on a short prompt and three tokens.
