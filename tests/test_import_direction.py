@@ -23,8 +23,8 @@ PACKAGE_DIR = Path(octavo.__file__).resolve().parent
 # has imported before any of its modules anyway.
 LEAVES = {"octavo.config", "octavo.errors", "octavo.__version__"}
 # Modules that tie the layers together (anything but serve, commands and cli, unless they are one themselves).
-TIES = {"octavo", "octavo.compiler", "octavo.compile_cache", "octavo.llm", "octavo.bench", "octavo.commands",
-        "octavo.cli"}
+TIES = {"octavo", "octavo.compiler", "octavo.compile_cache", "octavo.llm", "octavo.bench", "octavo.eval",
+        "octavo.commands", "octavo.cli"}
 # layer -> the layers its modules may import (besides their own layer and the leaves).
 ALLOWED = {
     "octavo.ir": set(),
