@@ -22,6 +22,10 @@ from torch import Tensor
 
 from octavo.errors import OctavoError
 
+RUNTIME_LOWERED_OPS = ("all_reduce", "all_gather")
+"""The ops of this module. No backend kernel table implements them: the distributed runtime
+replaces them by torch.distributed's functional collectives before a backend lowers the graph."""
+
 
 @torch.library.custom_op("octavo::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
