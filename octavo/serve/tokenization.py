@@ -1,0 +1,84 @@
+"""Tokenization and chat templating on worker threads, off the engine thread and the event loop.
+
+A long prompt takes long to tokenize; on the engine thread it would stall every decode, on the event
+loop every other request and /health. The Hugging Face fast tokenizer releases the GIL while it
+encodes, so worker threads run beside both. Each worker has its own copy of the tokenizer: the
+engine thread keeps detokenizing with the original, and no two threads ever share one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from octavo.serve.errors import APIError
+
+T = TypeVar("T")
+
+DEFAULT_WORKERS = 2
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt as token ids, with its text for echo and the text of its first token (echo with logprobs)."""
+
+    token_ids: list[int]
+    prompt_text: str | None = None
+    first_token_text: str = ""
+
+
+class PromptEncoder:
+    """Runs tokenizer work on a small pool of threads, each with its own copy of `tokenizer`."""
+
+    def __init__(self, tokenizer: Any, num_workers: int = DEFAULT_WORKERS):
+        self._tokenizer = tokenizer
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="octavo-tokenizer")
+
+    async def run(self, function: Callable[[Any], T]) -> T:
+        """`function(tokenizer)` on a worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: function(self._worker_tokenizer()))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _worker_tokenizer(self) -> Any:
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+        return tokenizer
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> EncodedPrompt:
+    """Text -> token ids (with the tokenizer's special tokens, as LLM.generate encodes); ids pass through."""
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+        text = prompt
+    else:
+        token_ids = list(prompt)
+        text = tokenizer.decode(token_ids) if want_text else None
+    first_text = tokenizer.decode(token_ids[:1]) if want_text else ""
+    return EncodedPrompt(token_ids, text, first_text)
+
+
+def render_chat(tokenizer: Any, messages: list[dict], check_text: Callable[[str], None]) -> EncodedPrompt:
+    """`messages` through the chat template with the assistant turn opened (as LLM.chat), then tokenized.
+
+    `check_text` sees the rendered text before it is tokenized (and may reject it).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # a template may raise anything on messages it does not accept
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    check_text(rendered)
+    return EncodedPrompt(tokenizer.encode(rendered, add_special_tokens=False))
