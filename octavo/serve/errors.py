@@ -7,8 +7,10 @@ traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +24,16 @@ logger = logging.getLogger(__name__)
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)")
 
 
-class APIError(Exception):
-    """A request the server rejects: HTTP `status` and the OpenAI error object's fields."""
+class APIError(HTTPException):
+    """A request the server rejects: HTTP `status` and the OpenAI error object's fields.
+
+    An HTTPException, so that one raised while FastAPI reads the body (the body-size limit) reaches
+    the handlers as itself rather than as FastAPI's generic "error parsing the body".
+    """
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(status, message, headers)
         self.status = status
         self.message = message
         self.error_type = error_type
@@ -35,11 +41,22 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def __str__(self) -> str:
+        return self.message
+
     def body(self) -> dict:
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote request text that is not valid
+    Unicode (a field name with a lone surrogate), which UTF-8 cannot encode but a JSON escape can."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -55,14 +72,19 @@ def from_request_error(error: RequestError) -> APIError:
 
 
 def from_validation_error(error: RequestValidationError) -> APIError:
-    """400 naming the first offending field, with pydantic's reason."""
-    first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """400 naming the offending field, with pydantic's reason.
+
+    The first error is reported, unless a value check of ours failed (one union member's reason is
+    more telling than another member's type mismatch).
+    """
+    errors = error.errors()
+    first = next((item for item in errors if item.get("type") == "value_error"), errors[0])
+    location = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         reason = first.get("ctx", {}).get("error", "invalid JSON")
         where = f" (at character {location[-1]})" if location else ""
         return APIError(400, f"the request body is not valid JSON: {reason}{where}")
-    field = ".".join(location) or None
+    field = ".".join(str(part) for part in _json_path(error.body, location)) or None
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {field}", param=field)
     if first.get("type") == "missing":
@@ -70,6 +92,28 @@ def from_validation_error(error: RequestValidationError) -> APIError:
     if field is None:
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
     return APIError(400, f"invalid value for '{field}': {first.get('msg')}", param=field)
+
+
+def _json_path(body: Any, location: list) -> list:
+    """The parts of a pydantic error location that are keys and indexes of the JSON body.
+
+    Inside a union a location also holds the member's tag (`str`, `list[int]`, `function-after[...]`),
+    and under a dict key pydantic's marker `[key]`: walking the body tells those from real parts.
+    """
+    path, node = [], body
+    for part in location:
+        if part == "[key]":
+            continue
+        if isinstance(node, dict):
+            path.append(part)
+            node = node.get(part) if isinstance(part, str) else None
+        elif isinstance(node, list) and isinstance(part, int):
+            path.append(part)
+            node = node[part] if 0 <= part < len(node) else None
+        elif node is None and not path:
+            path.append(part)
+        # else: a tag below a list or a scalar
+    return path
 
 
 def install_error_handlers(app: FastAPI) -> None:
