@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from octavo.errors import RequestError
+from octavo.serve.protocol import SURROGATE
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,11 @@ def from_validation_error(error: RequestValidationError) -> APIError:
         reason = first.get("ctx", {}).get("error", "invalid JSON")
         where = f" (at character {location[-1]})" if location else ""
         return APIError(400, f"the request body is not valid JSON: {reason}{where}")
+    if first.get("type") == "string_unicode":  # a key pydantic could not even read (a lone surrogate)
+        path = _invalid_text_path(error.body)
+        field = ".".join(str(part) for part in path) if path else None
+        return APIError(400, f"the request body holds text that is not valid Unicode (a lone surrogate) at "
+                             f"'{field}'", param=field)
     field = ".".join(str(part) for part in _json_path(error.body, location)) or None
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {field}", param=field)
@@ -114,6 +120,25 @@ def _json_path(body: Any, location: list) -> list:
             path.append(part)
         # else: a tag below a list or a scalar
     return path
+
+
+def _invalid_text_path(node: Any, path: tuple = ()) -> tuple | None:
+    """The path of the first key or string in the body that holds a surrogate code point."""
+    if isinstance(node, str):
+        return path if SURROGATE.search(node) else None
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if SURROGATE.search(key):
+                return (*path, key)
+            found = _invalid_text_path(value, (*path, key))
+            if found is not None:
+                return found
+    if isinstance(node, list):
+        for index, value in enumerate(node):
+            found = _invalid_text_path(value, (*path, index))
+            if found is not None:
+                return found
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -77,7 +77,8 @@ class RequestBodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._too_large(f"the request body has {declared} bytes").response()(scope, receive, send)
+            error = self._too_large(f"the request body has {declared} bytes, more than")
+            await error.response()(scope, receive, send)
             return
         received = 0
 
@@ -87,13 +88,13 @@ class RequestBodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise self._too_large(f"the request body has more than {received - 1} bytes")
+                    raise self._too_large("the request body is larger than")
             return message
 
         await self.app(scope, counting_receive, send)
 
     def _too_large(self, what: str) -> APIError:
-        return APIError(413, f"{what}, more than the server's limit of {self.max_bytes} (--max-request-bytes)",
+        return APIError(413, f"{what} the server's limit of {self.max_bytes} bytes (--max-request-bytes)",
                         code="request_too_large")
 
 

@@ -32,12 +32,12 @@ LOGIT_BIAS_LIMIT = 100.0
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def valid_unicode(text: str) -> str:
     """`text` unless it holds a surrogate code point, which is not a character (JSON's lone "\\udXXX")."""
-    found = _SURROGATE.search(text)
+    found = SURROGATE.search(text)
     if found is not None:
         raise ValueError(f"not valid Unicode: lone surrogate U+{ord(found.group()):04X} at character "
                          f"{found.start()}")
