@@ -64,7 +64,8 @@ class RequestBodyLimit:
 
     A declared Content-Length over the limit is refused at once; a body sent without one (chunked)
     is counted as it arrives and refused as soon as the count passes the limit. uvicorn reads at most
-    its buffer's worth ahead, so the server never holds more than about the limit.
+    its buffer's worth ahead, so the server never holds more than about the limit; the connection is
+    closed after the 413, so the rest of the body is not read either.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int):
@@ -94,8 +95,9 @@ class RequestBodyLimit:
         await self.app(scope, counting_receive, send)
 
     def _too_large(self, what: str) -> APIError:
+        # Connection: close, or uvicorn would go on reading (and discarding) the rest of the body.
         return APIError(413, f"{what} the server's limit of {self.max_bytes} bytes (--max-request-bytes)",
-                        code="request_too_large")
+                        code="request_too_large", headers={"Connection": "close"})
 
 
 def _content_length(scope: Scope) -> int | None:
