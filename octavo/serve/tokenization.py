@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +34,19 @@ class EncodedPrompt:
 
 
 class PromptEncoder:
-    """Runs tokenizer work on a small pool of threads, each with its own copy of `tokenizer`."""
+    """Runs tokenizer work on a small pool of threads, each with its own copy of `tokenizer`.
+
+    The copies are made here, before serving: copying holds the GIL for a while, which would stall
+    the event loop if a worker made its copy on its first request.
+    """
 
     def __init__(self, tokenizer: Any, num_workers: int = DEFAULT_WORKERS):
-        self._tokenizer = tokenizer
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(num_workers):
+            self._copies.put(copy.deepcopy(tokenizer))
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="octavo-tokenizer")
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="octavo-tokenizer",
+                                        initializer=self._take_copy)
 
     async def run(self, function: Callable[[Any], T]) -> T:
         """`function(tokenizer)` on a worker thread."""
@@ -48,11 +56,11 @@ class PromptEncoder:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _take_copy(self) -> None:
+        self._local.tokenizer = self._copies.get_nowait()
+
     def _worker_tokenizer(self) -> Any:
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
-        return tokenizer
+        return self._local.tokenizer
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> EncodedPrompt:

@@ -144,7 +144,6 @@ def test_tokenizing_a_huge_prompt_does_not_stop_the_engine_thread(engine):
         async_engine = AsyncEngine(engine)
         async_engine.start()
         context = ServerContext(async_engine, ServerSettings("m"))
-        await context.encoder.run(lambda tokenizer: None)  # the worker has made its tokenizer copy
         stream = async_engine.open_stream(["decoding"])
         await async_engine.call(lambda engine: engine.add_request(PROMPT, params, request_id="decoding"))
         await stream.next_delta()  # decoding has started
