@@ -228,10 +228,11 @@ class AsyncEngine:
         except WorkerFailedError:
             raise  # a parallel engine lost a rank: end the thread, so requests get 503 from now on
         except Exception as error:
-            # A bug: fail the requests in flight (their blocks are freed) and keep serving.
+            # A bug: fail the requests in flight (their blocks are freed) and keep serving. The streams
+            # learn of the failure before the aborts arrive, so their readers get the error, not "abort".
             logger.exception("engine step failed; aborting %d request(s)", len(self.engine.requests))
-            self._abort(self.engine, list(self.engine.requests))
             self._to_loop(self._fail_streams, RuntimeError(f"engine step failed: {type(error).__name__}"))
+            self._abort(self.engine, list(self.engine.requests))
             return
         self._publish()
         self._send(outputs)
