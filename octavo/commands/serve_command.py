@@ -8,6 +8,7 @@ from octavo.commands.common import add_engine_arguments, engine_config, error_co
 from octavo.errors import OctavoError
 from octavo.serve.context import DEFAULT_MAX_REQUEST_BYTES
 from octavo.serve.stream import DEFAULT_MAX_BACKLOG
+from octavo.serve.tokenization import DEFAULT_WORKERS
 
 
 def add_parser(subparsers) -> None:
@@ -26,6 +27,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
                         help=f"answer 413 to a request body over B bytes, before reading it "
                              f"(default {DEFAULT_MAX_REQUEST_BYTES} = {DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB)")
+    parser.add_argument("--tokenizer-threads", type=int, default=DEFAULT_WORKERS, metavar="N",
+                        help=f"threads that tokenize prompts, beside the engine thread (default {DEFAULT_WORKERS})")
     parser.add_argument("--max-stream-backlog", type=int, default=DEFAULT_MAX_BACKLOG, metavar="E",
                         help=f"abort a streaming request, with an error event, when its client falls E entries "
                              f"behind (a token is one entry, plus one per logprob alternative; default "
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from octavo.serve.context import ServerSettings
     from octavo.serve.server import serve_app
 
-    for option in ("max_waiting", "max_waiting_tokens", "max_request_bytes", "max_stream_backlog"):
+    for option in ("max_waiting", "max_waiting_tokens", "max_request_bytes", "max_stream_backlog", "tokenizer_threads"):
         value = getattr(args, option)
         if value is not None and value < (0 if option == "max_waiting" else 1):
             flag = "--" + option.replace("_", "-")
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(args.artifact, engine_config(args))
     settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
-                              max_request_bytes=args.max_request_bytes, grace_period_s=args.grace_period)
+                              max_request_bytes=args.max_request_bytes, tokenizer_threads=args.tokenizer_threads,
+                              grace_period_s=args.grace_period)
     app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
     error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")

@@ -26,7 +26,7 @@ from octavo.serve.errors import APIError
 from octavo.serve.metrics import ServerMetrics
 from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.stream import OutputDelta, RequestStream
-from octavo.serve.tokenization import EncodedPrompt, PromptEncoder
+from octavo.serve.tokenization import DEFAULT_WORKERS, EncodedPrompt, PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class ServerSettings:
     max_waiting: int | None = None
     max_waiting_tokens: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tokenizer_threads: int = DEFAULT_WORKERS
     grace_period_s: float = 30.0
     retry_after_s: int = 1
 
@@ -56,7 +57,7 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics(lambda: engine.metrics, settings.model_name)
-        self.encoder = PromptEncoder(engine.engine.tokenizer)
+        self.encoder = PromptEncoder(engine.engine.tokenizer, settings.tokenizer_threads)
         self.capacity = Capacity.of(engine.engine)
         self.character_bound = CharacterBound.of(engine.engine.tokenizer)
         self.waiting_token_limit = settings.max_waiting_tokens or kv_token_slots(engine)

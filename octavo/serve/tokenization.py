@@ -1,16 +1,23 @@
 """Tokenization and chat templating on worker threads, off the engine thread and the event loop.
 
 A long prompt takes long to tokenize; on the engine thread it would stall every decode, on the event
-loop every other request and /health. The Hugging Face fast tokenizer releases the GIL while it
-encodes, so worker threads run beside both. Each worker has its own copy of the tokenizer: the
-engine thread keeps detokenizing with the original, and no two threads ever share one.
+loop every other request and /health. The Rust tokenizer behind a Hugging Face fast tokenizer
+releases the GIL while it encodes a batch, so worker threads run beside both; `encode` calls it
+directly (`encode_batch_fast`: no character offsets, which nothing here needs), which gives the
+same ids as `tokenizer.encode` in a fraction of the time and of the GIL. Each worker has its own
+copy of the tokenizer: the engine thread keeps detokenizing with the original, and no two threads
+ever share one. Where the OS allows it (Linux), the workers run at a lower scheduling priority, so
+that a flood of long prompts takes spare CPU time, not time the engine thread needs for decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +28,8 @@ from octavo.serve.errors import APIError
 
 T = TypeVar("T")
 
-DEFAULT_WORKERS = 2
+DEFAULT_WORKERS = 1
+"""One thread: a second would take a second core from the engine's decoding when prompts flood in."""
 
 
 @dataclass
@@ -58,9 +66,30 @@ class PromptEncoder:
 
     def _take_copy(self) -> None:
         self._local.tokenizer = self._copies.get_nowait()
+        _lower_priority()
 
     def _worker_tokenizer(self) -> Any:
         return self._local.tokenizer
+
+
+WORKER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Raise the calling thread's nice value (Linux applies it per thread; elsewhere nothing happens)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=...)`, through the Rust tokenizer when there is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> EncodedPrompt:
@@ -68,7 +97,7 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> E
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
+        token_ids = encode(tokenizer, prompt)
         text = prompt
     else:
         token_ids = list(prompt)
@@ -89,4 +118,4 @@ def render_chat(tokenizer: Any, messages: list[dict], check_text: Callable[[str]
     except Exception as error:  # a template may raise anything on messages it does not accept
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
     check_text(rendered)
-    return EncodedPrompt(tokenizer.encode(rendered, add_special_tokens=False))
+    return EncodedPrompt(encode(tokenizer, rendered, add_special_tokens=False))
