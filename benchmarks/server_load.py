@@ -12,11 +12,11 @@ machinery, not the model, is what is measured. Three runs, each against a fresh 
    until the server has generated everything): peak RSS against run 1.
    Both runs poll /health every 100 ms (every answer must come within 1 s) and end with every KV
    block free or merely cached (/metrics).
-3. 64 streams decoding; after a quiet window, a client (--senders) sends prompts of exactly
-   max_model_len tokens back to back for a window: each is tokenized in full and then refused (prompt and output
-   cannot fit). The streams' inter-token p99 in that window must stay within 2x of the quiet
-   window's. Then the same with the longest text the character bound lets reach the tokenizer
-   ((max_model_len - 1) x 81 characters: about 370k tokens of random words), reported only.
+3. 64 streams decoding; in windows that alternate with quiet ones (3 rounds), a client (--senders)
+   sends prompts of exactly max_model_len tokens back to back: each is tokenized in full and then
+   refused (prompt and output cannot fit). The streams' inter-token p99 over those windows must stay
+   within 2x of the quiet windows'. The same with the longest text the character bound lets reach
+   the tokenizer ((max_model_len - 1) x 81 characters: about 370k tokens of random words), reported.
 
 Peak RSS is the server's VmHWM from /proc. Timings on a shared machine are indicative only. Exits 1
 if a check fails. The bounds on counts and times (--timeout per run) keep it finite.
@@ -55,6 +55,7 @@ HEALTH_PERIOD_S = 0.1
 HEALTH_LIMIT_S = 1.0
 ITL_STREAMS = 64
 ITL_STREAM_TOKENS = 4000
+ITL_ROUNDS = 3
 ITL_KV_BLOCKS = 16384  # 64 streams x 4000 tokens fit without preemption
 LONGEST_TOKEN = "\n" + " " * 80  # one token of the bundled tokenizer: 81 characters, the most any token has
 TINY_MAX_MODEL_LEN = 8192
@@ -278,32 +279,39 @@ async def send_while(client: httpx.AsyncClient, url: str, prompt: str, until: fl
 
 
 async def itl_run(server: Server, prompts: dict[str, str], timeout_s: float, window_s: float,
-                  num_senders: int) -> dict:
-    """Inter-token gaps of 64 decoding streams: in a quiet window, then while each kind of prompt is sent."""
+                  num_senders: int, rounds: int) -> dict:
+    """Inter-token gaps of 64 decoding streams in quiet windows and while each kind of prompt is sent.
+
+    The windows alternate (quiet, then each kind of prompt) for `rounds` rounds, so that a change in
+    the machine's load during the run weighs on all of them alike.
+    """
     limits = httpx.Limits(max_connections=ITL_STREAMS + 8)
+    windows: dict[str, list[tuple[float, float]]] = {"quiet": [], **{name: [] for name in prompts}}
+    answers: dict[str, set] = {name: set() for name in prompts}
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         stop = asyncio.Event()
         streams = [asyncio.ensure_future(stream(client, server.url, body(index, ITL_STREAM_TOKENS), until=stop))
                    for index in range(ITL_STREAMS)]
-        await asyncio.sleep(window_s)  # every stream starts
-        windows = {"quiet": (time.monotonic(), time.monotonic() + window_s)}
-        await asyncio.sleep(window_s)
-        answers = {}
-        for name, prompt in prompts.items():
+        await asyncio.sleep(window_s)  # every stream has started
+        for _ in range(rounds):
             start = time.monotonic()
-            senders = [send_while(client, server.url, prompt, start + window_s) for _ in range(num_senders)]
-            answers[name] = sorted({answer for sent in await asyncio.gather(*senders) for answer in sent})
-            windows[name] = (start, time.monotonic())
+            await asyncio.sleep(window_s)
+            windows["quiet"].append((start, time.monotonic()))
+            for name, prompt in prompts.items():
+                start = time.monotonic()
+                senders = [send_while(client, server.url, prompt, start + window_s) for _ in range(num_senders)]
+                answers[name].update(answer for sent in await asyncio.gather(*senders) for answer in sent)
+                windows[name].append((start, time.monotonic()))
         stop.set()
         results = await asyncio.gather(*streams)
     gaps = {name: [] for name in windows}
     for result in results:
         for previous, current in zip(result.token_times, result.token_times[1:], strict=False):
-            for name, (start, end) in windows.items():
-                if start <= previous and current <= end:
+            for name, spans in windows.items():
+                if any(start <= previous and current <= end for start, end in spans):
                     gaps[name].append(current - previous)
     return {name: {"gaps": len(values), "p99_ms": round(1000 * p99(values), 1),
-                   "answers": answers.get(name, [])} for name, values in gaps.items()}
+                   "answers": sorted(answers.get(name, []))} for name, values in gaps.items()}
 
 
 def long_prompts() -> dict[str, str]:
@@ -339,7 +347,7 @@ def main() -> int:
     parser.add_argument("--artifact", type=Path, default=None, help="artifact to serve (default: a tiny llama)")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "octavo-server-load")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take at most")
-    parser.add_argument("--window", type=float, default=4.0, help="seconds of each measuring window of run 3")
+    parser.add_argument("--window", type=float, default=3.0, help="seconds of each measuring window of run 3")
     parser.add_argument("--runs", default="1,2,3", help="which runs, e.g. 3 (default 1,2,3)")
     parser.add_argument("--senders", type=int, default=1, help="clients sending the long prompts in run 3")
     args = parser.parse_args()
@@ -380,7 +388,7 @@ def itl_check(artifact: Path, work_dir: Path, timeout_s: float, window_s: float,
     """Run 3; the failed checks."""
     prompts = long_prompts()
     with running_server(artifact, work_dir, "--num-kv-blocks", str(ITL_KV_BLOCKS)) as server:
-        itl = asyncio.run(itl_run(server, prompts, timeout_s, window_s, num_senders))
+        itl = asyncio.run(itl_run(server, prompts, timeout_s, window_s, num_senders, ITL_ROUNDS))
     report(f"run 3: {ITL_STREAMS} streams decoding; then prompts sent back to back by {num_senders} client(s): "
            f"{json.dumps(itl)}")
     quiet = itl["quiet"]["p99_ms"]

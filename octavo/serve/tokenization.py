@@ -6,18 +6,15 @@ releases the GIL while it encodes a batch, so worker threads run beside both; `e
 directly (`encode_batch_fast`: no character offsets, which nothing here needs), which gives the
 same ids as `tokenizer.encode` in a fraction of the time and of the GIL. Each worker has its own
 copy of the tokenizer: the engine thread keeps detokenizing with the original, and no two threads
-ever share one. Where the OS allows it (Linux), the workers run at a lower scheduling priority, so
-that a flood of long prompts takes spare CPU time, not time the engine thread needs for decoding.
+ever share one. (The workers keep the normal scheduling priority: a lower one lets the OS leave a
+worker that holds the GIL unscheduled while the engine thread waits for it.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import os
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,21 +63,9 @@ class PromptEncoder:
 
     def _take_copy(self) -> None:
         self._local.tokenizer = self._copies.get_nowait()
-        _lower_priority()
 
     def _worker_tokenizer(self) -> Any:
         return self._local.tokenizer
-
-
-WORKER_NICENESS = 10
-
-
-def _lower_priority() -> None:
-    """Raise the calling thread's nice value (Linux applies it per thread; elsewhere nothing happens)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
