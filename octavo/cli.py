@@ -11,7 +11,14 @@ from octavo.errors import OctavoError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from octavo.commands import bench_command, compile_command, eval_command, generate_command, inspect_command
+    from octavo.commands import (
+        bench_command,
+        compile_command,
+        eval_command,
+        generate_command,
+        inspect_command,
+        serve_command,
+    )
 
     parser = argparse.ArgumentParser(prog="octavo", description="Compile and serve causal language models.")
     parser.add_argument("--version", action="version", version=f"octavo {__version__}")
@@ -22,16 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_command.add_parser(subparsers)
     bench_command.add_parser(subparsers)
     eval_command.add_parser(subparsers)
-    _add_serve_parser(subparsers)
-    return parser
-
-
-def _add_serve_parser(subparsers) -> None:
-    try:
-        from octavo.serve import command as serve_command
-    except ImportError:
-        return
     serve_command.add_parser(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
-"""Turning a request body into engine requests: sampling parameters, tokenization, length checks.
+"""Turning a request body into engine requests: sampling parameters, length checks, adding.
 
-`sampling_params` runs on the event loop (cheap, and rejects bad fields before anything is queued).
-`add_prompts` and `render_chat` run on the engine thread (they use the tokenizer, which the engine
-also uses, and `engine.add_request`, which only that thread may call).
+`sampling_params`, `check_prompt_chars` and `fit_max_tokens` run on the event loop (cheap; they reject
+bad requests before anything is tokenized or queued). Tokenizing runs on the tokenizer threads
+(`tokenization`). Only `add_prompts`, which calls `engine.add_request` with token ids, runs on the
+engine thread.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from octavo.errors import RequestError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serve.errors import APIError, from_request_error
+from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.protocol import SamplingFields
-
-Prompt = str | list[int]
+from octavo.serve.tokenization import EncodedPrompt
 
 
 @dataclass
@@ -26,6 +27,21 @@ class AddedPrompt:
     prompt_text: str | None
     prompt_token_ids: list[int]
     first_token_text: str = ""  # for echo with logprobs: no logprob scores the first prompt token
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Most tokens (prompt + output) one sequence may hold, and what sets that limit."""
+
+    tokens: int
+    limit: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> Capacity:
+        kv_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+        if kv_tokens < engine.max_model_len:
+            return cls(kv_tokens, "KV cache")
+        return cls(engine.max_model_len, "maximum context length")
 
 
 def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -58,73 +74,52 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: in
         raise from_request_error(error) from None
 
 
-def context_capacity(engine: LLMEngine) -> tuple[int, str]:
-    """Most tokens (prompt + output) one sequence may hold, and what sets that limit."""
-    kv_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
-    if kv_tokens < engine.max_model_len:
-        return kv_tokens, "KV cache"
-    return engine.max_model_len, "maximum context length"
-
-
-def fit_max_tokens(engine: LLMEngine, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> int:
-    """The request's max_tokens (None = as many as fit); 400 with both numbers when they do not fit."""
-    capacity, limit = context_capacity(engine)
+def check_prompt_chars(text: str, bound: CharacterBound | None, capacity: Capacity, max_tokens: int | None,
+                       field: str) -> None:
+    """400 when `text` has so many characters that no tokenization of it fits (see prompt_limits)."""
+    if bound is None:
+        return
+    at_least = bound.min_tokens(text)
+    why = (f"the prompt has {len(text)} characters, so at least {at_least} tokens (no token of this tokenizer "
+           f"covers more than {bound.max_chars_per_token} characters)")
     if max_tokens is None:
-        if num_prompt_tokens >= capacity:
-            raise APIError(400, f"This model's {limit} is {capacity} tokens. However, the prompt has "
-                                f"{num_prompt_tokens} tokens and at least 1 must be generated. "
+        if at_least >= capacity.tokens:
+            raise APIError(400, f"This model's {capacity.limit} is {capacity.tokens} tokens. However, {why}, and "
+                                f"at least 1 must be generated. Please reduce the length of the prompt.",
+                           param=field)
+    elif at_least + max_tokens > capacity.tokens:
+        raise APIError(400, f"This model's {capacity.limit} is {capacity.tokens} tokens. However, you requested at "
+                            f"least {at_least + max_tokens} tokens ({why}; {max_tokens} for the completion). "
+                            f"Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+
+
+def fit_max_tokens(capacity: Capacity, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> int:
+    """The request's max_tokens (None = as many as fit); 400 with both numbers when they do not fit."""
+    if max_tokens is None:
+        if num_prompt_tokens >= capacity.tokens:
+            raise APIError(400, f"This model's {capacity.limit} is {capacity.tokens} tokens. However, the prompt "
+                                f"has {num_prompt_tokens} tokens and at least 1 must be generated. "
                                 f"Please reduce the length of the prompt.", param=prompt_field)
-        return capacity - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > capacity:
-        raise APIError(400, f"This model's {limit} is {capacity} tokens. However, you requested "
+        return capacity.tokens - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > capacity.tokens:
+        raise APIError(400, f"This model's {capacity.limit} is {capacity.tokens} tokens. However, you requested "
                             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
                             f"{max_tokens} for the completion). Please reduce the length of the prompt or "
                             f"max_tokens.", param="max_tokens")
     return max_tokens
 
 
-def add_prompts(engine: LLMEngine, request_ids: list[str], prompts: list[Prompt], params: SamplingParams,
-                want_text: bool, prompt_field: str = "prompt") -> list[AddedPrompt]:
-    """Tokenize, check and add every prompt, or none: on an error the ones added are aborted."""
-    encoded = [_encode(engine, prompt) for prompt in prompts]
-    limits = [fit_max_tokens(engine, len(token_ids), params.max_tokens, prompt_field) for token_ids in encoded]
+def add_prompts(engine: LLMEngine, request_ids: list[str], encoded: list[EncodedPrompt], params: SamplingParams,
+                limits: list[int]) -> list[AddedPrompt]:
+    """Add every prompt (on the engine thread), or none: on an error the ones added are aborted."""
     added: list[AddedPrompt] = []
     try:
-        for request_id, prompt, token_ids, max_tokens in zip(request_ids, prompts, encoded, limits, strict=True):
+        for request_id, prompt, max_tokens in zip(request_ids, encoded, limits, strict=True):
             request_params = params if max_tokens == params.max_tokens else params.clone(max_tokens=max_tokens)
-            engine.add_request(token_ids, request_params, request_id=request_id)
-            first_text = engine.tokenizer.decode(token_ids[:1]) if want_text else ""
-            added.append(AddedPrompt(request_id, _prompt_text(engine, prompt, want_text), token_ids, first_text))
+            engine.add_request(prompt.token_ids, request_params, request_id=request_id)
+            added.append(AddedPrompt(request_id, prompt.prompt_text, prompt.token_ids, prompt.first_token_text))
     except BaseException:
         for item in added:
             engine.abort_request(item.request_id)
         raise
     return added
-
-
-def render_chat(engine: LLMEngine, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` through the chat template with the assistant turn opened (as LLM.chat)."""
-    tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as error:  # a template may raise anything on messages it does not accept
-        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    return tokenizer.encode(rendered, add_special_tokens=False)
-
-
-def _encode(engine: LLMEngine, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return engine.tokenizer.encode(prompt)
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return list(prompt)
-
-
-def _prompt_text(engine: LLMEngine, prompt: Prompt, want_text: bool) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    return engine.tokenizer.decode(prompt) if want_text else None

@@ -20,7 +20,7 @@ from octavo.serve import chat, completions
 from octavo.serve.async_engine import AsyncEngine, EngineDeadError
 from octavo.serve.context import ServerContext, ServerSettings
 from octavo.serve.errors import APIError, install_error_handlers
-from octavo.serve.middleware import ServerMiddleware
+from octavo.serve.middleware import RequestBodyLimit, ServerMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await engine.stop()
+            context.encoder.shutdown()
 
     app = FastAPI(title="Octavo", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over an Octavo artifact.")
@@ -46,7 +47,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
         return APIError(503, str(error), "service_unavailable", headers={"Retry-After": "1"}).response()
 
-    app.add_middleware(ServerMiddleware, metrics=context.metrics, api_key=settings.api_key)
+    app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ServerMiddleware, metrics=context.metrics, api_key=settings.api_key)  # outermost
     app.include_router(completions.router)
     app.include_router(chat.router)
     _add_service_routes(app, context)

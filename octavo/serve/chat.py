@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from octavo.runtime.outputs import CompletionOutput, RequestOutput
-from octavo.serve.admission import add_prompts, render_chat, sampling_params
+from octavo.runtime.outputs import RequestOutput
+from octavo.serve.admission import check_prompt_chars, sampling_params
 from octavo.serve.context import Generation, ServerContext
 from octavo.serve.errors import APIError
 from octavo.serve.logprobs import chat_logprobs
 from octavo.serve.protocol import ChatCompletionRequest
 from octavo.serve.sse import respond
+from octavo.serve.stream import SampleDelta
+from octavo.serve.tokenization import EncodedPrompt, render_chat
 
 router = APIRouter()
 
@@ -34,11 +36,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = sampling_params(body, body.effective_max_tokens(), num_top)
     messages = body.template_messages()
 
-    def add(engine, request_ids):
-        return add_prompts(engine, request_ids, [render_chat(engine, messages)], params, want_text=False,
-                           prompt_field="messages")
+    def check_text(rendered: str) -> None:
+        check_prompt_chars(rendered, context.character_bound, context.capacity, params.max_tokens, "messages")
 
-    generation = await context.admit(1, params.n, add, arrival)
+    def encode(tokenizer) -> list[EncodedPrompt]:
+        return [render_chat(tokenizer, messages, check_text)]
+
+    generation = await context.admit(1, params, encode, arrival, prompt_field="messages")
     writer = ChatWriter(context, generation, body, num_top)
     return await respond(request, generation, bool(body.stream), writer.chunks,
                          lambda finals: writer.response(finals[0]))
@@ -55,12 +59,12 @@ class ChatWriter:
         self.model = context.settings.model_name
         self.num_top = num_top
         self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        self._sent_tokens: dict[int, int] = {}
+        self._started: set[int] = set()
 
     def response(self, final: RequestOutput) -> dict:
         choices = [{"index": completion.index,
                     "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": self._logprobs(completion, 0, len(completion.token_ids)),
+                    "logprobs": self._logprobs(completion.logprobs, completion.token_ids),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
                    for completion in final.outputs]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -68,9 +72,9 @@ class ChatWriter:
 
     async def chunks(self) -> AsyncIterator[dict]:
         while not self.generation.finished:
-            _, output = await self.generation.next_output()
-            for completion in output.outputs:
-                for choice in self._stream_choices(completion):
+            _, delta = await self.generation.next_output()
+            for sample in delta.samples:
+                for choice in self._stream_choices(sample):
                     yield self._envelope([choice])
         if self.include_usage:
             final = self.generation.finals[self.generation.added[0].request_id]
@@ -82,28 +86,24 @@ class ChatWriter:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def _stream_choices(self, completion: CompletionOutput) -> list[dict]:
-        index = completion.index
+    def _stream_choices(self, sample: SampleDelta) -> list[dict]:
+        index = sample.index
         choices = []
-        if index not in self._sent_tokens:
+        if index not in self._started:
             choices.append(self._delta(index, {"role": "assistant", "content": ""}))
-            self._sent_tokens[index] = 0
-        start = self._sent_tokens[index]
-        end = len(completion.token_ids)
-        if completion.delta_text or (self.num_top is not None and end > start):
-            choices.append(self._delta(index, {"content": completion.delta_text},
-                                       self._logprobs(completion, start, end)))
-            self._sent_tokens[index] = end
-        if completion.finish_reason is not None:
-            choices.append(self._delta(index, {}, finish_reason=completion.finish_reason,
-                                       stop_reason=completion.stop_reason))
+            self._started.add(index)
+        if sample.text or (self.num_top is not None and sample.token_ids):
+            choices.append(self._delta(index, {"content": sample.text},
+                                       self._logprobs(sample.logprobs, sample.token_ids)))
+        if sample.finish_reason is not None:
+            choices.append(self._delta(index, {}, finish_reason=sample.finish_reason,
+                                       stop_reason=sample.stop_reason))
         return choices
 
-    def _logprobs(self, completion: CompletionOutput, start: int, end: int) -> dict | None:
+    def _logprobs(self, entries: list | None, token_ids: list[int]) -> dict | None:
         if self.num_top is None:
             return None
-        return {"content": chat_logprobs(completion.logprobs[start:end], completion.token_ids[start:end],
-                                         self.num_top)}
+        return {"content": chat_logprobs(entries, token_ids, self.num_top)}
 
     @staticmethod
     def _delta(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,

@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from octavo.runtime.outputs import CompletionOutput, RequestOutput
-from octavo.serve.admission import add_prompts, sampling_params
+from octavo.runtime.outputs import Logprob, RequestOutput
+from octavo.serve.admission import check_prompt_chars, fit_max_tokens, sampling_params
 from octavo.serve.context import Generation, ServerContext
 from octavo.serve.errors import APIError
 from octavo.serve.logprobs import completion_logprobs
 from octavo.serve.protocol import CompletionRequest
 from octavo.serve.sse import respond
+from octavo.serve.stream import OutputDelta, SampleDelta
+from octavo.serve.tokenization import EncodedPrompt, encode_prompt
 
 router = APIRouter()
 
@@ -35,8 +37,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompt_list()
     if not prompts:
         raise APIError(400, "the prompt is empty", param="prompt")
-    generation = await context.admit(
-        len(prompts), params.n, lambda engine, ids: add_prompts(engine, ids, prompts, params, body.echo), arrival)
+    for prompt in prompts:  # hopeless lengths are refused before anything is tokenized
+        if isinstance(prompt, str):
+            check_prompt_chars(prompt, context.character_bound, context.capacity, params.max_tokens, "prompt")
+        else:
+            fit_max_tokens(context.capacity, len(prompt), params.max_tokens, "prompt")
+
+    def encode(tokenizer) -> list[EncodedPrompt]:
+        return [encode_prompt(tokenizer, prompt, body.echo) for prompt in prompts]
+
+    generation = await context.admit(len(prompts), params, encode, arrival)
     writer = CompletionWriter(context, generation, body, params.n)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
@@ -53,7 +63,7 @@ class CompletionWriter:
         self.num_top = body.logprobs
         self.echo = body.echo
         self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        self._sent_tokens: dict[int, int] = {}
+        self._started: set[int] = set()
         self._text_offsets: dict[int, int] = {}
 
     def response(self, finals: list[RequestOutput]) -> dict:
@@ -62,16 +72,17 @@ class CompletionWriter:
             for completion in output.outputs:
                 index = prompt_index * self.n + completion.index
                 text = self._prompt_text(prompt_index) + completion.text
-                choices.append(self._choice(index, text, completion, completion.token_ids, 0,
-                                            self._echoed(prompt_index, output)))
+                sample = SampleDelta(completion.index, text, completion.token_ids, completion.logprobs,
+                                     completion.finish_reason, completion.stop_reason)
+                choices.append(self._choice(index, sample, self._echoed(prompt_index, output.prompt_logprobs)))
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
 
     async def chunks(self) -> AsyncIterator[dict]:
         while not self.generation.finished:
-            prompt_index, output = await self.generation.next_output()
-            for completion in output.outputs:
-                choice = self._stream_choice(prompt_index, completion, output)
+            prompt_index, delta = await self.generation.next_output()
+            for sample in delta.samples:
+                choice = self._stream_choice(prompt_index, sample, delta)
                 if choice is not None:
                     yield self._envelope([choice])
         if self.include_usage:
@@ -84,32 +95,31 @@ class CompletionWriter:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def _stream_choice(self, prompt_index: int, completion: CompletionOutput, output: RequestOutput) -> dict | None:
-        index = prompt_index * self.n + completion.index
-        first = index not in self._sent_tokens
-        start = self._sent_tokens.get(index, 0)
-        new_token_ids = completion.token_ids[start:]
-        text = (self._prompt_text(prompt_index) if first else "") + completion.delta_text
-        wants_logprobs = self.num_top is not None and new_token_ids
-        if not text and not wants_logprobs and completion.finish_reason is None:
+    def _stream_choice(self, prompt_index: int, sample: SampleDelta, delta: OutputDelta) -> dict | None:
+        index = prompt_index * self.n + sample.index
+        first = index not in self._started
+        text = (self._prompt_text(prompt_index) if first else "") + sample.text
+        wants_logprobs = self.num_top is not None and sample.token_ids
+        if not text and not wants_logprobs and sample.finish_reason is None:
             return None
-        self._sent_tokens[index] = len(completion.token_ids)
-        echoed = self._echoed(prompt_index, output) if first else None
-        return self._choice(index, text, completion, new_token_ids, start, echoed)
+        self._started.add(index)
+        echoed = self._echoed(prompt_index, delta.prompt_logprobs) if first else None
+        return self._choice(index, SampleDelta(sample.index, text, sample.token_ids, sample.logprobs,
+                                               sample.finish_reason, sample.stop_reason), echoed)
 
-    def _choice(self, index: int, text: str, completion: CompletionOutput, token_ids: list[int],
-                start: int = 0, echoed: tuple[list, list[int], str] | None = None) -> dict:
+    def _choice(self, index: int, sample: SampleDelta, echoed: tuple[list, list[int], str] | None = None) -> dict:
+        """The choice for `sample` (its text already holds any echoed prompt); `echoed` adds the prompt's logprobs."""
         logprobs = None
         if self.num_top is not None:
-            entries = completion.logprobs[start:start + len(token_ids)]
+            entries, token_ids = sample.logprobs, sample.token_ids
             unscored_text = ""
             if echoed is not None:
                 prompt_entries, prompt_token_ids, unscored_text = echoed
                 entries, token_ids = prompt_entries + entries, prompt_token_ids + token_ids
             logprobs, self._text_offsets[index] = completion_logprobs(
                 entries, token_ids, self.num_top, self._text_offsets.get(index, 0), unscored_text)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason}
+        return {"index": index, "text": sample.text, "logprobs": logprobs, "finish_reason": sample.finish_reason,
+                "stop_reason": sample.stop_reason}
 
     def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -118,12 +128,13 @@ class CompletionWriter:
             chunk["usage"] = usage
         return chunk
 
-    def _echoed(self, prompt_index: int, output: RequestOutput) -> tuple[list, list[int], str] | None:
+    def _echoed(self, prompt_index: int, prompt_logprobs: list[dict[int, Logprob] | None] | None
+                ) -> tuple[list, list[int], str] | None:
         """(prompt logprob entries, prompt token ids, first token's text) when echo asks for logprobs."""
         if not (self.echo and self.num_top is not None):
             return None
         added = self.generation.added[prompt_index]
-        return list(output.prompt_logprobs or []), added.prompt_token_ids, added.first_token_text
+        return list(prompt_logprobs or []), added.prompt_token_ids, added.first_token_text
 
     def _prompt_text(self, prompt_index: int) -> str:
         return (self.generation.added[prompt_index].prompt_text or "") if self.echo else ""

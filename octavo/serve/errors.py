@@ -7,8 +7,10 @@ traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,18 +18,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from octavo.errors import RequestError
+from octavo.serve.protocol import SURROGATE
 
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+)")
 
 
-class APIError(Exception):
-    """A request the server rejects: HTTP `status` and the OpenAI error object's fields."""
+class APIError(HTTPException):
+    """A request the server rejects: HTTP `status` and the OpenAI error object's fields.
+
+    An HTTPException, so that one raised while FastAPI reads the body (the body-size limit) reaches
+    the handlers as itself rather than as FastAPI's generic "error parsing the body".
+    """
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(status, message, headers)
         self.status = status
         self.message = message
         self.error_type = error_type
@@ -35,11 +42,22 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def __str__(self) -> str:
+        return self.message
+
     def body(self) -> dict:
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote request text that is not valid
+    Unicode (a field name with a lone surrogate), which UTF-8 cannot encode but a JSON escape can."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -55,14 +73,24 @@ def from_request_error(error: RequestError) -> APIError:
 
 
 def from_validation_error(error: RequestValidationError) -> APIError:
-    """400 naming the first offending field, with pydantic's reason."""
-    first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """400 naming the offending field, with pydantic's reason.
+
+    The first error is reported, unless a value check of ours failed (one union member's reason is
+    more telling than another member's type mismatch).
+    """
+    errors = error.errors()
+    first = next((item for item in errors if item.get("type") == "value_error"), errors[0])
+    location = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         reason = first.get("ctx", {}).get("error", "invalid JSON")
         where = f" (at character {location[-1]})" if location else ""
         return APIError(400, f"the request body is not valid JSON: {reason}{where}")
-    field = ".".join(location) or None
+    if first.get("type") == "string_unicode":  # a key pydantic could not even read (a lone surrogate)
+        path = _invalid_text_path(error.body)
+        field = ".".join(str(part) for part in path) if path else None
+        return APIError(400, f"the request body holds text that is not valid Unicode (a lone surrogate) at "
+                             f"'{field}'", param=field)
+    field = ".".join(str(part) for part in _json_path(error.body, location)) or None
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {field}", param=field)
     if first.get("type") == "missing":
@@ -70,6 +98,47 @@ def from_validation_error(error: RequestValidationError) -> APIError:
     if field is None:
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
     return APIError(400, f"invalid value for '{field}': {first.get('msg')}", param=field)
+
+
+def _json_path(body: Any, location: list) -> list:
+    """The parts of a pydantic error location that are keys and indexes of the JSON body.
+
+    Inside a union a location also holds the member's tag (`str`, `list[int]`, `function-after[...]`),
+    and under a dict key pydantic's marker `[key]`: walking the body tells those from real parts.
+    """
+    path, node = [], body
+    for part in location:
+        if part == "[key]":
+            continue
+        if isinstance(node, dict):
+            path.append(part)
+            node = node.get(part) if isinstance(part, str) else None
+        elif isinstance(node, list) and isinstance(part, int):
+            path.append(part)
+            node = node[part] if 0 <= part < len(node) else None
+        elif node is None and not path:
+            path.append(part)
+        # else: a tag below a list or a scalar
+    return path
+
+
+def _invalid_text_path(node: Any, path: tuple = ()) -> tuple | None:
+    """The path of the first key or string in the body that holds a surrogate code point."""
+    if isinstance(node, str):
+        return path if SURROGATE.search(node) else None
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if SURROGATE.search(key):
+                return (*path, key)
+            found = _invalid_text_path(value, (*path, key))
+            if found is not None:
+                return found
+    if isinstance(node, list):
+        for index, value in enumerate(node):
+            found = _invalid_text_path(value, (*path, index))
+            if found is not None:
+                return found
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -57,3 +57,51 @@ class ServerMiddleware:
                 return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(),
                                                                                self.api_key.encode("utf-8"))
         return False
+
+
+class RequestBodyLimit:
+    """413 for a request body over `max_bytes`, refused before it is read.
+
+    A declared Content-Length over the limit is refused at once; a body sent without one (chunked)
+    is counted as it arrives and refused as soon as the count passes the limit. uvicorn reads at most
+    its buffer's worth ahead, so the server never holds more than about the limit; the connection is
+    closed after the 413, so the rest of the body is not read either.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            error = self._too_large(f"the request body has {declared} bytes, more than")
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large("the request body is larger than")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self, what: str) -> APIError:
+        # Connection: close, or uvicorn would go on reading (and discarding) the rest of the body.
+        return APIError(413, f"{what} the server's limit of {self.max_bytes} bytes (--max-request-bytes)",
+                        code="request_too_large", headers={"Connection": "close"})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length" and value.strip().isdigit():
+            return int(value)
+    return None

@@ -1,7 +1,9 @@
 """Server-sent events and client-disconnect handling shared by the generation endpoints.
 
 Streaming: `event_stream` wraps the endpoint's chunk generator into a `text/event-stream` response
-whose body is `data: {json}` events ending with `data: [DONE]`. When the client disconnects,
+whose body is `data: {json}` events ending with `data: [DONE]`; a failure after the status line (the
+engine died, or the client read too slowly and its request was aborted) is an OpenAI-style error
+event before `[DONE]`. When the client disconnects,
 Starlette cancels the body iterator; the generation is closed (its requests aborted) by the
 iterator's `finally` and, should the iterator never have started, by the response's background task.
 
@@ -25,6 +27,7 @@ from starlette.responses import StreamingResponse
 from octavo.serve.async_engine import EngineDeadError
 from octavo.serve.context import Generation
 from octavo.serve.errors import error_body
+from octavo.serve.stream import StreamBacklogError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ def event_stream(generation: Generation, chunks: Callable[[], AsyncIterator[dict
         try:
             async for chunk in chunks():
                 yield sse_event(chunk)
-        except Exception as error:  # the status line is sent: an error can only be an event now
+        except StreamBacklogError as error:  # the status line is sent: an error can only be an event now
+            logger.warning("stream %s aborted: %s", generation.base_id, error)
+            yield sse_event(error_body(str(error), "invalid_request_error", code="reader_too_slow"))
+        except Exception as error:
             if not isinstance(error, EngineDeadError):
                 logger.exception("stream %s failed", generation.base_id)
             yield sse_event(error_body(str(error), "internal_server_error"))

@@ -1,8 +1,13 @@
-"""Who gets in: the API key (401 without it), the waiting-queue limit (503 with Retry-After)."""
+"""Who gets in: the API key (401 without it), the waiting-queue limits (503 with Retry-After).
+
+The waiting queue is limited by count (--max-waiting) and by tokens: by default a request is turned
+away when the prompts waiting to start would hold more tokens than the KV pool has slots.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -15,11 +20,15 @@ API_KEY = "sk-octavo-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+NUM_KV_BLOCKS = 16
+KV_TOKEN_SLOTS = NUM_KV_BLOCKS * 16  # the tiny artifact's block size is 16
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_artifact, tmp_path_factory):
-    """One sequence runs at a time and at most one request may wait."""
+    """One sequence runs at a time, at most two requests may wait, and the pool has 256 token slots."""
     with running_server(tiny_llama_artifact, tmp_path_factory.mktemp("serve-admission"), "--api-key", API_KEY,
-                        "--max-waiting", "1", "--max-num-seqs", "1", "--num-kv-blocks", "256") as server:
+                        "--max-waiting", "2", "--max-num-seqs", "1", "--num-kv-blocks", str(NUM_KV_BLOCKS)) as server:
         yield server
 
 
@@ -45,30 +54,54 @@ def test_api_key_is_required_on_v1_routes(server):
     assert client.completions.create(model=server.model, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
 
 
-def test_full_waiting_queue_answers_503_with_retry_after(server):
-    long_body = {"model": server.model, "prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True,
-                 "stream": True}
+LONG_BODY = {"model": "test-model", "prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True,
+             "stream": True}
 
-    async def scenario() -> httpx.Response:
-        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
-            running = asyncio.Event()
-            running_task = asyncio.create_task(stream_events(client, server.url, long_body, stop_after=40,
-                                                             first_event=running))
-            await running.wait()  # the first request runs (max-num-seqs 1) ...
-            async with client.stream("POST", f"{server.url}/v1/completions", json=long_body) as waiting:
-                assert waiting.status_code == 200  # ... the second was admitted and waits ...
-                rejected = await client.post(f"{server.url}/v1/completions",  # ... so the third is turned away
-                                             json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
-            running_task.cancel()
-            return rejected
 
-    rejected = asyncio.run(scenario())
-    assert rejected.status_code == 503
-    assert int(rejected.headers["Retry-After"]) >= 1
-    assert rejected.json()["error"]["code"] == "queue_full"
-    assert "--max-waiting 1" in rejected.json()["error"]["message"]
-    deadline = time.monotonic() + 20  # both clients went away: the queue drains and admits again
+async def refused_behind(server, waiting_bodies: list[dict], refused_body: dict) -> httpx.Response:
+    """Keep one long request running and `waiting_bodies` waiting; the answer to `refused_body` then."""
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as client, contextlib.AsyncExitStack() as stack:
+        running = asyncio.Event()
+        running_task = asyncio.create_task(stream_events(client, server.url, LONG_BODY, stop_after=40,
+                                                         first_event=running))
+        await running.wait()  # the first request runs (max-num-seqs 1) ...
+        for body in waiting_bodies:  # ... these are admitted and wait ...
+            waiting = await stack.enter_async_context(client.stream("POST", f"{server.url}/v1/completions",
+                                                                    json={**body, "stream": True}))
+            assert waiting.status_code == 200, await waiting.aread()
+        rejected = await client.post(f"{server.url}/v1/completions", json=refused_body)  # ... this is not
+        running_task.cancel()
+        return rejected
+
+
+def wait_until_idle(server) -> None:
+    """Both clients went away: the queue drains and admits again, every block free or merely cached."""
+    deadline = time.monotonic() + 20
     while scrape_metrics(server.url)["octavo_num_requests_running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert completion(server, AUTH).status_code == 200
-    assert scrape_metrics(server.url)["octavo_kv_blocks_used"] == 0  # every block free or merely cached
+    assert scrape_metrics(server.url)["octavo_kv_blocks_used"] == 0
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(server):
+    short = {"model": server.model, "prompt": "Hi", "max_tokens": 2}
+    rejected = asyncio.run(refused_behind(server, [short, short], short))
+    assert rejected.status_code == 503
+    assert int(rejected.headers["Retry-After"]) >= 1
+    assert rejected.json()["error"]["code"] == "queue_full"
+    assert "--max-waiting 2" in rejected.json()["error"]["message"]
+    wait_until_idle(server)
+
+
+def test_waiting_tokens_past_the_kv_pool_answer_503_with_retry_after(server):
+    """200 prompt tokens wait; 100 more would pass the pool's 256 token slots (the default limit)."""
+    waiting = {"model": server.model, "prompt": list(range(1000, 1200)), "max_tokens": 8}
+    refused = {"model": server.model, "prompt": list(range(2000, 2100)), "max_tokens": 8}
+    rejected = asyncio.run(refused_behind(server, [waiting], refused))
+    assert rejected.status_code == 503, rejected.text
+    assert int(rejected.headers["Retry-After"]) >= 1
+    error = rejected.json()["error"]
+    assert error["code"] == "queue_full" and error["type"] == "service_unavailable"
+    assert f"200 prompt tokens are waiting and this request adds 100, more than the limit of {KV_TOKEN_SLOTS}" \
+        in error["message"]
+    wait_until_idle(server)

@@ -2,6 +2,10 @@
 
 Bodies are valid requests with fields replaced by values of every JSON type (in range, out of range,
 wrong type), required fields dropped, unknown fields added, and raw bodies that are not JSON objects.
+Texts range over all of Unicode, surrogates included, written as raw UTF-8 or as escapes (a lone
+surrogate always as an escape, see json_text); numbers include the edges of their types (int64 and
+past it, 1e308, 1e309, 5e-324, -0.0, NaN and Infinity literals, 5000 digits); values nest up to
+100000 deep; prompts reach the character bound on their length and bodies the request-size limit.
 The counts of requests and statuses are printed (run with -s to see them).
 """
 
@@ -15,6 +19,9 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from octavo.serve.context import DEFAULT_MAX_REQUEST_BYTES
+from tests.serve.conftest import TINY_MAX_MODEL_LEN
+from tests.serve.json_text import Literal, write_json
 from tests.serve.server_process import scrape_metrics
 
 # The default run is derandomized (same bodies, same counts every time); OCTAVO_FUZZ_EXAMPLES=N runs N random ones.
@@ -22,19 +29,31 @@ MAX_EXAMPLES = int(os.environ.get("OCTAVO_FUZZ_EXAMPLES", "250"))
 DERANDOMIZE = "OCTAVO_FUZZ_EXAMPLES" not in os.environ
 REQUEST_TIMEOUT_S = 60.0  # a request that takes longer is a hang
 
+LONGEST_TOKEN_CHARS = 81  # the bundled tokenizer's longest token: prompts past 128 * 81 characters never fit
+
+any_character = st.characters(exclude_categories=())  # every code point, surrogates included
+edge_numbers = st.sampled_from([Literal(text) for text in (
+    "NaN", "Infinity", "-Infinity", "1e308", "-1e308", "1e309", "1.7976931348623157e308", "5e-324", "-0.0", "-0",
+    "0.1e-400", "1E+2", "2.0", str(2**31), str(2**53 + 1), str(2**63 - 1), str(2**63), str(-(2**63)),
+    str(-(2**63) - 1), str(2**64), "1" + "0" * 400, "9" * 5000)])
+deep_nesting = st.sampled_from([Literal("[" * depth + "]" * depth) for depth in (64, 1000, 100_000)]
+                               + [Literal('{"a":' * depth + "1" + "}" * depth) for depth in (64, 1000, 100_000)])
+long_texts = st.sampled_from([TINY_MAX_MODEL_LEN * LONGEST_TOKEN_CHARS + delta for delta in (-1, 0, 1)]
+                             + [50_000, 2**20]).map(lambda length: "x" * length)
+texts = st.text(any_character, max_size=24) | long_texts
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
+                         st.floats(), edge_numbers, st.text(any_character, max_size=12))
 json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=6)
+                           | st.dictionaries(st.text(any_character, max_size=6), children, max_size=3),
+                           max_leaves=6) | deep_nesting
 small_counts = st.integers(min_value=-2, max_value=6)
-probabilities = st.floats(min_value=-0.5, max_value=1.5)
-penalties = st.floats(min_value=-3, max_value=3)
-texts = st.text(max_size=24)
+probabilities = st.floats(min_value=-0.5, max_value=1.5) | edge_numbers
+penalties = st.floats(min_value=-3, max_value=3) | edge_numbers
 
 SHARED_FIELDS = {
     "model": st.sampled_from(["test-model", "unknown-model"]) | json_values,
     "n": st.one_of(st.integers(min_value=-1, max_value=3), st.integers(min_value=129), json_values),
-    "max_tokens": st.one_of(small_counts, st.integers(), json_values),
+    "max_tokens": st.one_of(small_counts, st.integers(), edge_numbers, json_values),
     "temperature": st.one_of(st.floats(min_value=-1, max_value=3), st.just(0), json_values),
     "top_p": probabilities | json_values,
     "top_k": st.one_of(st.integers(min_value=-3, max_value=60000), json_values),
@@ -44,11 +63,11 @@ SHARED_FIELDS = {
     "repetition_penalty": st.floats(min_value=-1, max_value=3) | json_values,
     "stop": st.one_of(texts, st.lists(texts, max_size=3), json_values),
     "stop_token_ids": st.lists(st.integers(min_value=-5, max_value=60000), max_size=3) | json_values,
-    "seed": st.integers() | json_values,
+    "seed": st.integers() | edge_numbers | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
-    "logit_bias": st.dictionaries(st.integers(-5, 60000).map(str) | texts, st.floats(-200, 200), max_size=3)
-    | json_values,
+    "logit_bias": st.dictionaries(st.integers(-5, 60000).map(str) | texts, st.floats(-200, 200) | edge_numbers,
+                                  max_size=3) | json_values,
     "ignore_eos": st.booleans() | json_values,
     "min_tokens": small_counts | json_values,
     "user": texts | json_values,
@@ -86,20 +105,31 @@ BASES = {
 
 @st.composite
 def request_bodies(draw) -> tuple[str, bytes]:
-    """(endpoint, raw body): usually a valid body with up to 4 fields changed, sometimes no JSON object at all."""
+    """(endpoint, raw body): usually a valid body with up to 4 fields changed, sometimes no JSON object at all,
+    invalid UTF-8, or a body just under or over the size limit."""
     endpoint = draw(st.sampled_from(sorted(BASES)))
     base, fields, required = BASES[endpoint]
-    kind = draw(st.sampled_from(["mutated"] * 8 + ["not_an_object", "not_json"]))
+    kind = draw(st.sampled_from(["mutated"] * 16 + ["not_an_object"] * 2 + ["not_json"] * 2
+                                + ["invalid_utf8", "at_the_size_limit"]))
+    escape = draw(st.booleans())
     if kind == "not_json":
         return endpoint, draw(st.binary(max_size=40) | st.text(max_size=40).map(str.encode))
     if kind == "not_an_object":
-        return endpoint, json.dumps(draw(json_values)).encode()
+        return endpoint, write_json(draw(json_values), escape).encode()
+    if kind == "at_the_size_limit":  # a valid request padded with JSON whitespace to the limit, or one byte past
+        body = write_json(base, escape)
+        size = DEFAULT_MAX_REQUEST_BYTES + draw(st.sampled_from([0, 1]))
+        return endpoint, (" " * (size - len(body)) + body).encode()
     body = dict(base)
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
         body[name] = draw(fields[name])
     if draw(st.integers(0, 9)) == 0:
         del body[required]
-    return endpoint, json.dumps(body).encode()
+    raw = write_json(body, escape).encode()
+    if kind == "invalid_utf8":  # bytes no UTF-8 decoder accepts, inside a string value
+        bad = draw(st.sampled_from([b"\xff", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80"]))
+        raw = raw.replace(b'"model":"', b'"model":"' + bad, 1)
+    return endpoint, raw
 
 
 def check_response(response: httpx.Response, body: bytes) -> None:

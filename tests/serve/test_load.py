@@ -1,9 +1,11 @@
-"""`octavo serve` of a tiny model under load: 64 concurrent streams, /health meanwhile, disconnecting clients."""
+"""`octavo serve` of a tiny model under load: 64 concurrent streams, /health meanwhile, clients that leave or stall."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
 import threading
 import time
 
@@ -130,3 +132,39 @@ def test_length_over_model_length_is_400_with_both_numbers(server):
                           json={"model": server.model, "prompt": list(range(1000, 1200)), "max_tokens": None})
     assert response.status_code == 400
     assert "200 tokens" in response.json()["error"]["message"]
+
+
+def finished_samples(metrics: dict[str, float]) -> float:
+    return sum(value for name, value in metrics.items() if name.startswith("octavo_request_success_total"))
+
+
+def test_a_client_that_stops_reading_is_cut_off_with_an_error_event_and_its_samples_aborted(server):
+    """A stream whose client stops reading is aborted once the server holds too much for it.
+
+    The first chunk of each of the 128 samples echoes the prompt with its top-20 logprobs (about
+    7 MB in all), more than the sockets buffer (Linux caps a send buffer at 4 MiB by default, and the
+    client asks for a 64 KiB receive buffer), so the server cannot hand it all over; the steps after
+    it then wait in the stream's buffer until they pass the default backlog limit (8192 entries: a
+    token with 20 alternatives counts 22).
+    """
+    before = scrape_metrics(server.url)
+    body = {"model": server.model, "prompt": list(range(1000, 1100)), "echo": True, "logprobs": 20, "n": 128,
+            "max_tokens": TINY_MAX_MODEL_LEN - 100, "temperature": 1.0, "ignore_eos": True, "stream": True}
+    small_window = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)])
+    with httpx.Client(transport=small_window, timeout=120) as client, \
+            client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        deadline = time.monotonic() + 60
+        while finished_samples(scrape_metrics(server.url)) - finished_samples(before) < 128:
+            assert time.monotonic() < deadline, "the request neither finished nor was aborted"
+            time.sleep(0.2)  # not reading
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2]), [event[:200] for event in events[-2:]]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "reader_too_slow" and "read the stream too slowly" in error["message"]
+    assert "limit of 8192" in error["message"]
+    after = scrape_metrics(server.url)
+    aborted = 'octavo_request_success_total{finish_reason="abort"}'
+    assert after[aborted] - before.get(aborted, 0) == 128
+    assert after["octavo_kv_blocks_used"] == 0
