@@ -12,22 +12,12 @@ from pathlib import Path
 import torch
 
 from octavo import __version__
+from octavo.cache_dir import cache_root
 from octavo.codegen.artifact import MANIFEST
 from octavo.config import CompileConfig
 from octavo.frontend.sources import ModelSource, load_model
 
 logger = logging.getLogger(__name__)
-
-CACHE_DIR_ENV = "OCTAVO_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """OCTAVO_CACHE_DIR, else $XDG_CACHE_HOME/octavo, else ~/.cache/octavo."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "octavo"
-
 
 def cache_key(model_source: ModelSource, config: CompileConfig) -> str:
     """sha256 over the model checksum, the output-deciding compile options and the software versions."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.compile_cache import cache_key, cache_root, cached_artifact
+from octavo.compile_cache import cache_key, cached_artifact
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
 from octavo.frontend.sources import load_model
@@ -40,17 +40,6 @@ def cache_dir(shared_cache, monkeypatch) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
-
-
-def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv("OCTAVO_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cache_root() == tmp_path / "home" / ".cache" / "octavo"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_root() == tmp_path / "xdg" / "octavo"
-    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "mine"))
-    assert cache_root() == tmp_path / "mine"
 
 
 def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
