@@ -13,12 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from octavo.cache_dir import cache_root
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
 # kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
 if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(2)
+# The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
+# a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
+os.environ.setdefault("OCTAVO_CPU_KERNELS_DIR", str(cache_root() / "cpu_kernels"))
 
 
 @pytest.fixture(scope="module")

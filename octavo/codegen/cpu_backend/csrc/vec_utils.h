@@ -1,0 +1,203 @@
+// Vector helpers shared by the Octavo CPU kernels: float vectors (ATen's at::vec, which follows the
+// CPU_CAPABILITY_* macro the build defines), widening loads from every cache/weight element type, and
+// a scheduler that hands work items to threads one at a time.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+namespace octavo_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// ---- widening loads: n elements of T -> n floats -------------------------------------------------
+
+// The float value of every float8_e4m3fn bit pattern (x86 has no instruction for it).
+inline const float* fp8_e4m3fn_table() {
+  static const float* table = [] {
+    static float values[256];
+    for (int bits = 0; bits < 256; ++bits) {
+      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    }
+    return values;
+  }();
+  return table;
+}
+
+template <typename T>
+inline void widen(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<float>(const float* src, int64_t n, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::Half>(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<int8_t>(const int8_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(wide));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(wide));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, int64_t n, float* dst) {
+  const float* table = fp8_e4m3fn_table();
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[src[i].x];
+}
+
+// One vector (kLanes elements) of 16-bit floats widened to float, in registers.
+inline Vec load_widened(const c10::BFloat16* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
+inline Vec load_widened(const c10::Half* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
+// ---- float vector arithmetic over padded rows (lengths are multiples of kLanes) ------------------
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), acc1);
+  }
+  if (i < n) acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+  return (acc0 + acc1).reduce_add();
+}
+
+// acc[0:n] += weight * row[0:n]
+inline void axpy(float weight, const float* row, float* acc, int64_t n) {
+  const Vec w(weight);
+  for (int64_t i = 0; i < n; i += kLanes) at::vec::fmadd(w, Vec::loadu(row + i), Vec::loadu(acc + i)).store(acc + i);
+}
+
+inline void scale_row(float factor, float* row, int64_t n) {
+  const Vec f(factor);
+  for (int64_t i = 0; i < n; i += kLanes) (Vec::loadu(row + i) * f).store(row + i);
+}
+
+// max over row[0:n] (any n).
+inline float row_max(const float* row, int64_t n) {
+  Vec best(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) best = at::vec::maximum(best, Vec::loadu(row + i));
+  float result = best.reduce_max();
+  for (; i < n; ++i) result = std::max(result, row[i]);
+  return result;
+}
+
+// row[i] = exp(row[i] - shift) for i < n; returns the sum of the new values (any n).
+inline float exp_shift_sum(float* row, int64_t n, float shift) {
+  const Vec s(shift);
+  Vec total(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec e = (Vec::loadu(row + i) - s).exp();
+    e.store(row + i);
+    total = total + e;
+  }
+  if (i < n) {
+    // The tail runs through the same vector exp as the body, so a value's result never depends on its lane.
+    Vec e = (Vec::loadu(row + i, n - i) - s).exp();
+    e.store(row + i, n - i);
+    __at_align__ float tail[kLanes] = {};
+    e.store(tail, n - i);
+    total = total + Vec::loadu(tail);
+  }
+  return total.reduce_add();
+}
+
+// ---- dynamic scheduling ---------------------------------------------------------------------------
+
+// Runs body(item, thread_state) for item in [0, count) on at::parallel_for's threads, each thread taking
+// the next unclaimed item: work items of unequal cost (prefill tiles, shared chunks) balance themselves.
+template <typename State, typename Body>
+void for_each_item(int64_t count, const Body& body) {
+  if (count == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      State state;
+      for (int64_t item = next.fetch_add(1); item < count; item = next.fetch_add(1)) body(item, state);
+    }
+  });
+}
+
+}  // namespace octavo_cpu
