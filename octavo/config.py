@@ -153,8 +153,8 @@ class EngineConfig:
             raise OctavoError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise OctavoError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.backend not in ("auto", "torch", "triton"):
-            raise OctavoError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        if self.backend not in ("auto", "torch", "triton", "cpu"):
+            raise OctavoError(f"backend must be auto, torch, triton or cpu, got {self.backend!r}")
         self._check_parallel()
 
     @property

@@ -297,9 +297,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """auto: triton on CUDA (when installed), torch on CPU. An explicit triton must be able to run there."""
+    """auto: triton on CUDA (when installed); on CPU the native cpu kernels when they build here, else torch
+    (with one warning naming what is missing). An explicit triton or cpu must be able to run there."""
+    from octavo.codegen.cpu_backend.kernel_table import cpu_backend_problem
     from octavo.codegen.triton_backend.availability import check_triton_backend
 
+    if backend == "cpu" or (backend == "auto" and device.type == "cpu"):
+        problem = "it runs on CPU only" if device.type != "cpu" else cpu_backend_problem()
+        if problem is None:
+            return "cpu"
+        if backend == "cpu":
+            raise OctavoError(f"backend cpu cannot run: {problem}")
+        _warn_once(f"the native CPU kernels are unavailable, running the slower torch backend: {problem}")
+        return "torch"
     if backend == "auto":
         if device.type != "cuda":
             return "torch"
@@ -310,6 +320,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "triton":
         check_triton_backend(device)
     return backend
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def artifact_path(path: str | os.PathLike) -> Path:
