@@ -206,3 +206,54 @@ def test_opcheck_schema_and_fake_impl():
     """torch.library.opcheck: declared mutations are the only ones, and the fake impl agrees with the real one."""
     batch = make_batch([(17, 3), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=8)
     torch.library.opcheck(paged_attention, batch.arguments(0.25, -1), test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- quantized caches: int8 / float8_e4m3fn values with one float32 scale per (token, kv head)
+
+
+def test_int8_and_fp8_rows_are_stored_as_defined():
+    """Hand-computed rows: scale = max|x| / 127 (int8) or / 448 (fp8); round half to even; a zero row has scale 1."""
+    rows = torch.zeros(3, 1, 8)
+    rows[0, 0, :4] = torch.tensor([1.0, -2.0, 0.5, 0.0])  # int8: x * 127 / 2 = 63.5 -> 64, -127, 31.75 -> 32, 0
+    rows[1, 0, :3] = torch.tensor([2.0, -1.0, 0.25])  # fp8: x * 448 / 2 = 448, -224, 56 (all exact in e4m3fn)
+    for dtype, expected_row, largest in ((torch.int8, [64, -127, 32, 0], 127),
+                                         (torch.float8_e4m3fn, [448.0, -224.0, 56.0], 448)):
+        cache = torch.zeros(1, BLOCK_SIZE, 1, 8, dtype=dtype)
+        key_scales, value_scales = torch.zeros(1, BLOCK_SIZE, 1), torch.zeros(1, BLOCK_SIZE, 1)
+        paged_attention(torch.randn(3, 1, 8), rows, rows, cache, cache.clone(), torch.tensor([0, 1, 2]),
+                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                        torch.tensor([0, 3], dtype=torch.int32), 0.5, -1, key_scales, value_scales)
+        row = 0 if dtype == torch.int8 else 1
+        stored = cache[0, row, 0, :len(expected_row)].float()
+        assert stored.tolist() == expected_row
+        assert key_scales[0, row, 0] == torch.tensor(2.0) / largest  # a float32 division
+        assert key_scales[0, 2, 0].item() == 1.0 and not cache[0, 2].float().any()  # the zero row
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_cache_attends_the_dequantized_context(dtype):
+    from octavo.ir.ops.attention import dequantize_kv, quantize_kv
+
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=8, num_padding=1)
+    scales = []
+    for name in ("key_cache", "value_cache"):
+        values, row_scales = quantize_kv(getattr(batch, name), dtype)
+        setattr(batch, name, values)
+        scales.append(row_scales)
+    batch.contexts = [tuple(dequantize_kv(*quantize_kv(part, dtype)) for part in context)
+                      for context in batch.contexts]
+    output = paged_attention(*batch.arguments(0.3, 16), *scales)
+    starts = batch.query_start_loc.tolist()
+    for index, (keys, values) in enumerate(batch.contexts):
+        expected = dense_attention(batch.query[starts[index]:starts[index + 1]], keys, values, 0.3, 16)
+        torch.testing.assert_close(output[starts[index]:starts[index + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_scale_caches_go_with_quantized_caches_only():
+    batch = make_batch([(5, 2)], num_heads=2, num_kv_heads=2, head_dim=8)
+    scales = torch.ones(batch.key_cache.shape[:3])
+    with pytest.raises(ValueError, match="only for int8 and float8_e4m3fn caches"):
+        paged_attention(*batch.arguments(0.5, -1), scales, scales.clone())
+    batch.key_cache, batch.value_cache = (cache.to(torch.int8) for cache in (batch.key_cache, batch.value_cache))
+    with pytest.raises(ValueError, match="needs key_scale_cache float32"):
+        paged_attention(*batch.arguments(0.5, -1))

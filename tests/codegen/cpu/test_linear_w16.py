@@ -58,7 +58,7 @@ def test_bad_arguments_name_what_is_wrong(cpu_kernels):
 
 def test_fake_kernels_describe_the_outputs(cpu_kernels):
     """opcheck: the schema's mutations and the fake (meta) kernels agree with what the C++ ops do."""
-    from tests.codegen.cpu.paged_batches import make_batch
+    from tests.codegen.paged_batches import make_batch
 
     weight = torch.randn(24, 40).to(torch.float16)
     torch.library.opcheck(torch.ops.octavo_cpu.linear_w16.default, (torch.randn(3, 40), weight),

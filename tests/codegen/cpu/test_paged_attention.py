@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from octavo.ir.ops.attention import paged_attention as reference_op
-from tests.codegen.cpu.paged_batches import TOLERANCE, copy_batch, make_batch, unshare_blocks
+from tests.codegen.paged_batches import TOLERANCE, copy_batch, make_batch, unshare_blocks
 
 CACHES = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
 

@@ -1,4 +1,4 @@
-"""Arguments of paged_attention calls for the CPU kernel tests: mixed batches, shared prefixes, any cache dtype."""
+"""Arguments of paged_attention calls for the kernel tests: mixed batches, shared prefixes, any cache dtype."""
 
 from __future__ import annotations
 
