@@ -44,7 +44,7 @@ void gemv_block(const float* x, const WT* w, const float* bias, float* out, int6
     }
     for (int r = 0; r < R; ++r) {
       for (int m = 0; m < M; ++m) {
-        float total = acc[r][m].reduce_add();
+        float total = hsum(acc[r][m]);
         for (int64_t k = vector_end; k < K; ++k) total += x[m * K + k] * static_cast<float>(w[(n + r) * K + k]);
         out[m * N + n + r] = bias ? total + bias[n + r] : total;
       }

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace octavo_cpu {
 
@@ -130,6 +131,32 @@ inline Vec load_widened(const c10::Half* src) {
 
 // ---- float vector arithmetic over padded rows (lengths are multiples of kLanes) ------------------
 
+// Horizontal sum / max of one vector (the generic Vectorized<float>::reduce_add does not compile in
+// torch's DEFAULT headers, so the portable build sums lane by lane in a fixed order).
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  float total = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
+  return total;
+#endif
+}
+
+inline float hmax(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  float best = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, lanes[i]);
+  return best;
+#endif
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc0(0.f), acc1(0.f);
   int64_t i = 0;
@@ -138,7 +165,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     acc1 = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), acc1);
   }
   if (i < n) acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-  return (acc0 + acc1).reduce_add();
+  return hsum(acc0 + acc1);
 }
 
 // acc[0:n] += weight * row[0:n]
@@ -157,7 +184,7 @@ inline float row_max(const float* row, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) best = at::vec::maximum(best, Vec::loadu(row + i));
-  float result = best.reduce_max();
+  float result = hmax(best);
   for (; i < n; ++i) result = std::max(result, row[i]);
   return result;
 }
@@ -180,7 +207,7 @@ inline float exp_shift_sum(float* row, int64_t n, float shift) {
     e.store(tail, n - i);
     total = total + Vec::loadu(tail);
   }
-  return total.reduce_add();
+  return hsum(total);
 }
 
 // ---- dynamic scheduling ---------------------------------------------------------------------------
