@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from octavo.codegen.cpu_backend.precision import slow_dtype_warning
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.runtime.block_manager import BlockManager
@@ -57,6 +58,8 @@ class LLMEngine:
             from octavo.codegen.triton_backend.availability import check_triton_kv_layout
 
             check_triton_kv_layout(manifest["kv_layout"])
+        if self.device.type == "cpu" and (slow := slow_dtype_warning(manifest["dtype"])):
+            _warn_once(slow)
         self.tokenizer = self.artifact.tokenizer
         self.eos_token_ids = self.artifact.eos_token_ids
         self.vocab_size = manifest["vocab_size"]

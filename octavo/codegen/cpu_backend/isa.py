@@ -33,11 +33,12 @@ _FLAGS = {
 
 @dataclass(frozen=True)
 class CpuTarget:
-    """An ISA level and the CPU features worth knowing beside it (native bf16 compute)."""
+    """An ISA level and the CPU features worth knowing beside it (native bf16 / fp16 matmul)."""
 
     level: str
     avx512_bf16: bool
     amx: bool
+    amx_fp16: bool = False
 
     @property
     def compile_flags(self) -> list[str]:
@@ -46,7 +47,8 @@ class CpuTarget:
         return [*_FLAGS[self.level], f"-DCPU_CAPABILITY={macro}", f"-DCPU_CAPABILITY_{macro}"]
 
     def describe(self) -> str:
-        extras = [name for name, present in (("avx512_bf16", self.avx512_bf16), ("amx", self.amx)) if present]
+        features = (("avx512_bf16", self.avx512_bf16), ("amx", self.amx), ("amx_fp16", self.amx_fp16))
+        extras = [name for name, present in features if present]
         return self.level.upper() + (f" (+{', '.join(extras)})" if extras else "")
 
 
@@ -79,4 +81,5 @@ def cpu_target() -> CpuTarget:
     level = capped_level(host_level(), os.environ.get(CAPABILITY_ENV))
     wide = level == "avx512"
     return CpuTarget(level, avx512_bf16=wide and torch.cpu._is_avx512_bf16_supported(),
-                     amx=wide and torch.cpu._is_amx_tile_supported())
+                     amx=wide and torch.cpu._is_amx_tile_supported(),
+                     amx_fp16=wide and torch.cpu._is_amx_fp16_supported())
