@@ -43,19 +43,19 @@ def model_dir(tiny_model_dir) -> Path:
 
 
 def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
-    first = cached_artifact(model_dir, CompileConfig())
-    key = cache_key(load_model(model_dir), CompileConfig())
+    first = cached_artifact(model_dir, CompileConfig(dtype="float32"))
+    key = cache_key(load_model(model_dir), CompileConfig(dtype="float32"))
     assert first == cache_dir / f"{model_dir.name}-float32-{key}"
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["source"]["checksum_sha256"] == load_model(model_dir).checksum
     before, entries = snapshot(first), sorted(cache_dir.iterdir())
     # Options that only change what is written for reading (dumps, progress) are not part of the key.
-    again = cached_artifact(model_dir, CompileConfig(progress=True))
+    again = cached_artifact(model_dir, CompileConfig(dtype="float32", progress=True))
     assert again == first
     assert snapshot(again) == before, "the cached artifact was recompiled"
     assert sorted(cache_dir.iterdir()) == entries, "nothing new was compiled"
     # LLM(model source) goes through the same cache.
-    llm = LLM(model_dir, num_kv_blocks=8)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=8)
     assert llm.artifact_path == first
     assert snapshot(first) == before
     [output] = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
