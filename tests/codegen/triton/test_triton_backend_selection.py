@@ -1,4 +1,4 @@
-"""--backend triton: the CPU rule (interpreter only) and the kernel table's coverage (auto on CPU: tests/codegen/cpu)."""
+"""--backend triton: the CPU rule (interpreter only) and the kernel coverage (auto on CPU: tests/codegen/cpu)."""
 
 from __future__ import annotations
 
