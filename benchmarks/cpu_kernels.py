@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 20]
 
+- prefill attention: a 512-token prompt, and a 128-token chunk after 384 cached tokens;
 - decode attention (one query token per sequence, contexts spread over 64-640 tokens, fp32 and
   bf16 caches, 9 query / 3 kv heads of 64 dims, 16-token blocks) at batch 1 and 64, plus the same
   batch-64 step where every sequence shares a 512-token prefix (cascade);
@@ -81,6 +82,34 @@ def bench_attention(repeats: int) -> None:
                   f"{kv_bytes / native / 1e9:>8.1f}")
 
 
+def prefill_batch(prompt: int, cached: int = 0, seed: int = 0):
+    """One sequence's prefill (or a chunk of `prompt` tokens after `cached` ones) in fp32."""
+    generator = torch.Generator().manual_seed(seed)
+    length = cached + prompt
+    num_blocks = -(-length // BLOCK) + 1
+    tables = torch.randperm(num_blocks, generator=generator)[:num_blocks - 1].to(torch.int32).view(1, -1)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    positions = torch.arange(cached, length)
+    slots = tables[0].long()[positions // BLOCK] * BLOCK + positions % BLOCK
+    query = torch.randn(prompt, HEADS, HEAD_DIM, generator=generator)
+    key = torch.randn(prompt, KV_HEADS, HEAD_DIM, generator=generator)
+    value = torch.randn(prompt, KV_HEADS, HEAD_DIM, generator=generator)
+    return (query, key, value, key_cache, value_cache, slots, tables, torch.tensor([length], dtype=torch.int32),
+            torch.tensor([0, prompt], dtype=torch.int32), HEAD_DIM ** -0.5, -1)
+
+
+def bench_prefill(repeats: int) -> None:
+    print("prefill attention, fp32, one sequence (ms per layer call)")
+    print(f"{'case':<34}{'torch':>10}{'cpu':>10}{'speedup':>9}")
+    for prompt, cached in ((512, 0), (128, 384)):
+        args = prefill_batch(prompt, cached)
+        reference = best_time(lambda args=args: torch_paged_attention(*args), repeats)
+        native = best_time(lambda args=args: torch.ops.octavo_cpu.paged_attention(*args), repeats)
+        label = f"{prompt} new tokens" + (f" after {cached} cached" if cached else "")
+        print(f"{label:<34}{reference * 1e3:>10.3f}{native * 1e3:>10.3f}{reference / native:>8.2f}x")
+
+
 def bench_linear(repeats: int) -> None:
     print("linear: torch fp32 vs octavo_cpu.linear_w16 (bf16 weights), ms; weight GB/s")
     print(f"{'shape':<22}{'m':>4}{'fp32':>10}{'GB/s':>7}{'w16':>10}{'GB/s':>7}{'speedup':>9}")
@@ -107,6 +136,7 @@ def main() -> None:
     with torch.inference_mode():
         if args.only != "linear":
             bench_attention(args.repeats)
+            bench_prefill(args.repeats)
         if args.only != "attention":
             bench_linear(args.repeats)
 

@@ -17,7 +17,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
 
 PROMPT_LENGTHS = [5, 23, 1, 40, 12]
-MAX_TOKENS = [5, 4, 6, 12, 3]
+MAX_TOKENS = [4, 3, 5, 8, 2]
 TOKEN_BUDGET = 16
 
 

@@ -18,6 +18,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -29,8 +30,8 @@ namespace octavo_cpu {
 namespace {
 
 constexpr int64_t kChunkTokens = 64;  // decode chunk length (rounded up to whole blocks)
-constexpr int64_t kKeyTile = 16;      // keys per prefill tile
-constexpr int64_t kPrefillRows = 48;  // query rows (positions x heads of a group) per prefill work item
+constexpr int64_t kKeyTile = 32;      // keys per prefill tile
+constexpr int64_t kPrefillRows = 96;  // query rows (positions x heads of a group) per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 
@@ -58,8 +59,8 @@ struct Problem {
 };
 
 struct Scratch {
-  std::vector<float> scores, key_row, value_row, key_tile, value_tile, row_max, row_sum, accumulators;
-  std::vector<const float*> queries;
+  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators;
+  std::vector<const float*> queries, key_rows, value_rows;
   std::vector<float*> records;
 };
 
@@ -78,6 +79,33 @@ inline void read_row(const Pool& pool, const int32_t* blocks, int64_t block_size
   }
 }
 
+// Float rows (length `padded`, zero past `dim`) of positions [begin, begin + n) of one kv head: pointers into
+// the pool itself when it already holds such rows (float32, dim a multiple of the vector width), else into
+// `tile`, filled here.
+template <typename CT>
+void gather_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
+                 int64_t head, int64_t dim, int64_t padded, std::vector<float>& tile,
+                 std::vector<const float*>& rows) {
+  rows.resize(n);
+  if constexpr (std::is_same_v<CT, float>) {
+    if (dim == padded) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t position = begin + j, block = blocks[position / block_size];
+        rows[j] = static_cast<const float*>(pool.data) + block * pool.block_stride +
+                  (position % block_size) * pool.token_stride + head * pool.head_stride;
+      }
+      return;
+    }
+  }
+  if (static_cast<int64_t>(tile.size()) < n * padded) tile.resize(n * padded);
+  for (int64_t j = 0; j < n; ++j) {
+    float* row = tile.data() + j * padded;
+    std::fill(row + dim, row + padded, 0.f);
+    read_row<CT>(pool, blocks, block_size, begin + j, head, dim, padded, row);
+    rows[j] = row;
+  }
+}
+
 // Partial attention of queries[0:nq] over context positions [begin, end) of kv head `head`: for each query,
 // record[0:padded_value_dim] = sum_j exp(s_j - m) v_j, record[pvd] = m = max_j s_j, record[pvd + 1] =
 // sum_j exp(s_j - m), with s_j = scale * (q . k_j). One query's arithmetic never depends on the others.
@@ -85,80 +113,113 @@ template <typename CT>
 void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
   const int64_t n = end - begin, pvd = p.padded_value_dim;
-  s.scores.resize(nq * n);
-  s.key_row.assign(p.padded_dim, 0.f);
-  s.value_row.assign(pvd, 0.f);
+  // Each K and V row is read from the pool (and widened) once for all queries.
+  gather_rows<CT>(p.keys, blocks, p.block_size, begin, n, head, p.head_dim, p.padded_dim, s.key_tile, s.key_rows);
+  gather_rows<CT>(p.values, blocks, p.block_size, begin, n, head, p.value_dim, pvd, s.value_tile, s.value_rows);
+  s.scores.resize(n);
   float* scores = s.scores.data();
-  for (int64_t j = 0; j < n; ++j) {
-    read_row<CT>(p.keys, blocks, p.block_size, begin + j, head, p.head_dim, p.padded_dim, s.key_row.data());
-    for (int64_t q = 0; q < nq; ++q) scores[q * n + j] = dot(queries[q], s.key_row.data(), p.padded_dim) * p.scale;
-  }
   for (int64_t q = 0; q < nq; ++q) {
-    float* row = scores + q * n;
-    const float m = row_max(row, n);
+    score_rows(queries[q], s.key_rows.data(), n, p.scale, scores, p.padded_dim);
+    const float m = row_max(scores, n);
     records[q][pvd] = m;
-    records[q][pvd + 1] = exp_shift_sum(row, n, m);
+    records[q][pvd + 1] = exp_shift_sum(scores, n, m);
     std::fill(records[q], records[q] + pvd, 0.f);
+    accumulate(1.f, scores, s.value_rows.data(), n, records[q], pvd);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    read_row<CT>(p.values, blocks, p.block_size, begin + j, head, p.value_dim, pvd, s.value_row.data());
-    for (int64_t q = 0; q < nq; ++q) axpy(scores[q * n + j], s.value_row.data(), records[q], pvd);
+}
+
+// Scores of rows [0, rows) against one transposed key tile [dim][kKeyTile]: scores[r][j] = scale * q_r . k_j,
+// kRowBlock rows at a time so that each key vector loaded serves several rows.
+inline void tile_scores(const float* const* queries, int64_t rows, const float* key_tile, int64_t dim, float scale,
+                        float* scores) {
+  constexpr int64_t kRowBlock = 4, kVectors = kKeyTile / kLanes;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - r0);
+    Vec acc[kRowBlock][kVectors];
+    for (auto& row : acc)
+      for (auto& a : row) a = Vec(0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      Vec keys[kVectors];
+      for (int64_t v = 0; v < kVectors; ++v) keys[v] = Vec::loadu(key_tile + d * kKeyTile + v * kLanes);
+      for (int64_t b = 0; b < block; ++b) {
+        const Vec qd(queries[r0 + b][d]);
+        for (int64_t v = 0; v < kVectors; ++v) acc[b][v] = at::vec::fmadd(qd, keys[v], acc[b][v]);
+      }
+    }
+    for (int64_t b = 0; b < block; ++b)
+      for (int64_t v = 0; v < kVectors; ++v) (acc[b][v] * Vec(scale)).store(scores + (r0 + b) * kKeyTile + v * kLanes);
+  }
+}
+
+// out_r = out_r * factors[r] + sum_j weights[r][j] * value_tile[j] for rows [0, rows), j in [0, n): one column
+// vector at a time, kRowBlock rows sharing each value vector loaded.
+inline void tile_accumulate(const float* weights, const float* factors, int64_t rows, const float* value_tile,
+                            int64_t n, int64_t length, float* out) {
+  constexpr int64_t kRowBlock = 4;
+  for (int64_t i = 0; i < length; i += kLanes) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, rows - r0);
+      Vec acc[kRowBlock];
+      for (int64_t b = 0; b < block; ++b) acc[b] = Vec::loadu(out + (r0 + b) * length + i) * Vec(factors[r0 + b]);
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec value = Vec::loadu(value_tile + j * length + i);
+        for (int64_t b = 0; b < block; ++b) {
+          acc[b] = at::vec::fmadd(Vec(weights[(r0 + b) * kKeyTile + j]), value, acc[b]);
+        }
+      }
+      for (int64_t b = 0; b < block; ++b) acc[b].store(out + (r0 + b) * length + i);
+    }
   }
 }
 
 // Causal attention of positions [first, first + count) of one sequence (its tokens start at query row
-// `token`) over its context, for the `group` query heads of kv head `head`: flash attention over key tiles.
+// `token`) over its context, for the `group` query heads of kv head `head`: flash attention over tiles of
+// kKeyTile keys with an online softmax per row (row = position x head of the group).
 template <typename CT>
 void prefill_tile(const Problem& p, const int32_t* blocks, int64_t head, int64_t token, int64_t first, int64_t count,
                   Scratch& s) {
   const int64_t rows = count * p.group, pvd = p.padded_value_dim;
-  s.key_tile.assign(p.padded_dim * kKeyTile, 0.f);
+  s.key_tile.assign(p.padded_dim * kKeyTile, 0.f);  // transposed: [dim][key]
   s.value_tile.assign(kKeyTile * pvd, 0.f);
   s.key_row.assign(p.padded_dim, 0.f);
-  s.scores.assign(kKeyTile, 0.f);
+  s.scores.assign(rows * kKeyTile, 0.f);
   s.row_max.assign(rows, kNegInf);
   s.row_sum.assign(rows, 0.f);
+  s.factors.assign(rows, 1.f);
   s.accumulators.assign(rows * pvd, 0.f);
+  s.queries.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    s.queries[r] = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
+  }
   const int64_t last = first + count - 1;
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
-  for (int64_t tile = start; tile <= last;) {
-    const int64_t n = std::min({kKeyTile, p.block_size - tile % p.block_size, last + 1 - tile});
+  for (int64_t tile = start; tile <= last; tile += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, last + 1 - tile);
     for (int64_t j = 0; j < n; ++j) {
       read_row<CT>(p.keys, blocks, p.block_size, tile + j, head, p.head_dim, p.padded_dim, s.key_row.data());
       for (int64_t d = 0; d < p.head_dim; ++d) s.key_tile[d * kKeyTile + j] = s.key_row[d];
       read_row<CT>(p.values, blocks, p.block_size, tile + j, head, p.value_dim, pvd, s.value_tile.data() + j * pvd);
     }
+    tile_scores(s.queries.data(), rows, s.key_tile.data(), p.head_dim, p.scale, s.scores.data());
     for (int64_t r = 0; r < rows; ++r) {
+      float* scores = s.scores.data() + r * kKeyTile;
       const int64_t position = first + r / p.group;
-      const float* q = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
-      Vec acc[kKeyTile / kLanes];
-      for (auto& a : acc) a = Vec(0.f);
-      for (int64_t d = 0; d < p.head_dim; ++d) {
-        const Vec qd(q[d]);
-        for (int64_t v = 0; v < kKeyTile / kLanes; ++v) {
-          acc[v] = at::vec::fmadd(qd, Vec::loadu(s.key_tile.data() + d * kKeyTile + v * kLanes), acc[v]);
-        }
-      }
-      float* scores = s.scores.data();
-      for (int64_t v = 0; v < kKeyTile / kLanes; ++v) (acc[v] * Vec(p.scale)).store(scores + v * kLanes);
       const int64_t lowest = p.window > 0 ? position - p.window + 1 : 0;
       for (int64_t j = 0; j < kKeyTile; ++j) {
         if (j >= n || tile + j > position || tile + j < lowest) scores[j] = kNegInf;
       }
       const float tile_max = row_max(scores, kKeyTile);
-      if (tile_max == kNegInf) continue;
-      const float new_max = std::max(s.row_max[r], tile_max);
-      const float correction = std::exp(s.row_max[r] - new_max);
-      const float tile_sum = exp_shift_sum(scores, kKeyTile, new_max);
-      float* o = s.accumulators.data() + r * pvd;
-      s.row_sum[r] = s.row_sum[r] * correction + tile_sum;
-      s.row_max[r] = new_max;
-      if (correction != 1.f) scale_row(correction, o, pvd);
-      for (int64_t j = 0; j < n; ++j) {
-        if (scores[j] != 0.f) axpy(scores[j], s.value_tile.data() + j * pvd, o, pvd);
+      if (tile_max == kNegInf) {  // nothing visible in this tile: weights 0, state unchanged
+        std::fill(scores, scores + kKeyTile, 0.f);
+        s.factors[r] = 1.f;
+        continue;
       }
+      const float new_max = std::max(s.row_max[r], tile_max);
+      s.factors[r] = std::exp(s.row_max[r] - new_max);
+      s.row_sum[r] = s.row_sum[r] * s.factors[r] + exp_shift_sum(scores, kKeyTile, new_max);
+      s.row_max[r] = new_max;
     }
-    tile += n;
+    tile_accumulate(s.scores.data(), s.factors.data(), rows, s.value_tile.data(), n, pvd, s.accumulators.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * pvd;
@@ -241,7 +302,9 @@ Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, 
     schedule.shared.push_back(std::move(group));
     for (int64_t h = 0; h < p.num_kv_heads; ++h) shared.push_back({Kind::kShared, index, 0, h});
   }
-  // Largest items first, so that the last ones to finish are small.
+  // Largest items first, so that the last ones to finish are small: prefill tiles by how many keys they
+  // attend (their last position), then shared chunks, then chunks of one sequence.
+  std::stable_sort(prefill.begin(), prefill.end(), [](const Item& a, const Item& b) { return a.value > b.value; });
   for (auto* part : {&prefill, &shared, &single}) schedule.items.insert(schedule.items.end(), part->begin(), part->end());
   return schedule;
 }

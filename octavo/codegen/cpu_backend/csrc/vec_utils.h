@@ -174,6 +174,66 @@ inline void axpy(float weight, const float* row, float* acc, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) at::vec::fmadd(w, Vec::loadu(row + i), Vec::loadu(acc + i)).store(acc + i);
 }
 
+// scores[j] = (q . rows[j]) * scale for j in [0, n), rows of NV vectors, with q held in registers.
+template <int NV>
+inline void score_rows_fixed(const float* q, const float* const* rows, int64_t n, float scale, float* scores) {
+  Vec qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(q + v * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec acc = qv[0] * Vec::loadu(rows[j]);
+    for (int v = 1; v < NV; ++v) acc = at::vec::fmadd(qv[v], Vec::loadu(rows[j] + v * kLanes), acc);
+    scores[j] = hsum(acc) * scale;
+  }
+}
+
+// score_rows_fixed for any row length (a multiple of kLanes).
+inline void score_rows(const float* q, const float* const* rows, int64_t n, float scale, float* scores,
+                       int64_t length) {
+  switch (length / kLanes) {
+    case 1: return score_rows_fixed<1>(q, rows, n, scale, scores);
+    case 2: return score_rows_fixed<2>(q, rows, n, scale, scores);
+    case 4: return score_rows_fixed<4>(q, rows, n, scale, scores);
+    case 6: return score_rows_fixed<6>(q, rows, n, scale, scores);
+    case 8: return score_rows_fixed<8>(q, rows, n, scale, scores);
+    case 16: return score_rows_fixed<16>(q, rows, n, scale, scores);
+    default: break;
+  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, rows[j], length) * scale;
+}
+
+// out[0:NV * kLanes] = out * factor + sum_j weights[j] * rows[j][0:NV * kLanes], j in [0, n) in order, with the
+// accumulators in registers (one load of each row, no load/store of out per row).
+template <int NV>
+inline void accumulate_rows(float factor, const float* weights, const float* const* rows, int64_t n, float* out) {
+  Vec acc[NV];
+  const Vec f(factor);
+  for (int v = 0; v < NV; ++v) acc[v] = Vec::loadu(out + v * kLanes) * f;
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec w(weights[j]);
+    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(w, Vec::loadu(rows[j] + v * kLanes), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) acc[v].store(out + v * kLanes);
+}
+
+// accumulate_rows for any row length (a multiple of kLanes): register-held up to 16 vectors, else in memory.
+inline void accumulate(float factor, const float* weights, const float* const* rows, int64_t n, float* out,
+                       int64_t length) {
+  switch (length / kLanes) {
+    case 1: return accumulate_rows<1>(factor, weights, rows, n, out);
+    case 2: return accumulate_rows<2>(factor, weights, rows, n, out);
+    case 4: return accumulate_rows<4>(factor, weights, rows, n, out);
+    case 6: return accumulate_rows<6>(factor, weights, rows, n, out);
+    case 8: return accumulate_rows<8>(factor, weights, rows, n, out);
+    case 16: return accumulate_rows<16>(factor, weights, rows, n, out);
+    default: break;
+  }
+  for (int64_t i = 0; i < length; i += kLanes) {
+    Vec acc = Vec::loadu(out + i) * Vec(factor);
+    for (int64_t j = 0; j < n; ++j) acc = at::vec::fmadd(Vec(weights[j]), Vec::loadu(rows[j] + i), acc);
+    acc.store(out + i);
+  }
+}
+
 inline void scale_row(float factor, float* row, int64_t n) {
   const Vec f(factor);
   for (int64_t i = 0; i < n; i += kLanes) (Vec::loadu(row + i) * f).store(row + i);
