@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 
+from octavo.codegen.cpu_backend.precision import resolve_precision, slow_dtype_warning
 from octavo.compile_cache import cache_key, cached_artifact
-from octavo.config import CompileConfig
+from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError
 from octavo.frontend.sources import load_model
 from octavo.llm import LLM
+from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
 
@@ -63,7 +66,7 @@ def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
     assert_pool_full(llm.engine)
 
 
-def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir):
+def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir, caplog):
     float32 = cached_artifact(model_dir, CompileConfig(dtype="float32"))
     before = snapshot(float32)
     bfloat16 = cached_artifact(model_dir, CompileConfig(dtype="bfloat16"))
@@ -74,6 +77,22 @@ def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir):
     assert json.loads((float32 / "manifest.json").read_text())["dtype"] == "float32"
     weights = json.loads((bfloat16 / "manifest.json").read_text())["signature"]
     assert weights["weight_bytes"] < json.loads((float32 / "manifest.json").read_text())["signature"]["weight_bytes"]
+    # Loading it warns exactly where bf16 compute is slow on this CPU (no AMX), saying how to fix it.
+    with caplog.at_level(logging.WARNING, logger="octavo"):
+        LLMEngine(bfloat16, EngineConfig(num_kv_blocks=8))
+    expected = slow_dtype_warning("bfloat16")
+    warnings = [record.getMessage() for record in caplog.records if "no fast matmul" in record.getMessage()]
+    assert warnings == ([expected] if expected else [])
+
+
+def test_auto_is_keyed_and_recorded_as_the_machine_choice(model_dir):
+    source = load_model(model_dir)
+    resolved = resolve_precision(CompileConfig())
+    assert cache_key(source, CompileConfig()) == cache_key(source, resolved)
+    # auto never means plain float32: bf16 compute, or float32 over 16-bit weights.
+    assert cache_key(source, CompileConfig()) != cache_key(source, CompileConfig(dtype="float32"))
+    assert cache_key(source, CompileConfig(dtype="float32", weight_dtype="bfloat16")) != cache_key(
+        source, CompileConfig(dtype="float32"))
 
 
 def test_the_key_follows_the_model_checksum_not_its_location(tmp_path, model_dir):

@@ -59,7 +59,7 @@ class LLMEngine:
 
             check_triton_kv_layout(manifest["kv_layout"])
         if self.device.type == "cpu" and (slow := slow_dtype_warning(manifest["dtype"])):
-            _warn_once(slow)
+            logger.warning(slow)
         self.tokenizer = self.artifact.tokenizer
         self.eos_token_ids = self.artifact.eos_token_ids
         self.vocab_size = manifest["vocab_size"]
