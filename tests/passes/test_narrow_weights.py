@@ -9,6 +9,7 @@ with the same rounded weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -18,32 +19,35 @@ from transformers import AutoModelForCausalLM
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
-from octavo.frontend.architectures import architecture_for
-from octavo.passes import PassContext, run_pipeline
+from octavo.ir.graph import op_histogram
+from octavo.passes import run_pipeline
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import run_cli
-from tests.passes.fusion_harness import ALL_PASSES, Compiled, assert_bitwise_equal, clone_graph, run_steps, traced_model
+from tests.passes.fusion_harness import ALL_PASSES, Compiled, assert_bitwise_equal, clone_graph, compiled, run_steps
 
 aten = torch.ops.aten
-PASSES = [*ALL_PASSES, "narrow_weights"]
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def plain(model_type: str) -> Compiled:
+    """The default pipeline without narrow_weights (shared with the fusion tests, which must not modify it)."""
+    return compiled(model_type, "float32", tuple(ALL_PASSES))
+
+
 @functools.cache
-def narrowed(model_type: str, weight_dtype: str | None) -> Compiled:
-    """The default pipeline on the traced tiny float32 model (cached: tests must not modify it)."""
-    model, traced = traced_model(model_type, "float32")
-    ctx = PassContext(config=CompileConfig(dtype="float32", weight_dtype=weight_dtype), weights=dict(traced.weights),
-                      model_config=model.config, architecture=architecture_for(model.config),
-                      fake_mode=traced.fake_mode, symbols={"T": traced.num_tokens})
-    return Compiled(run_pipeline(clone_graph(traced.graph_module), ctx, PASSES), ctx)
+def narrowed(model_type: str, weight_dtype: str) -> Compiled:
+    """narrow_weights run on a copy of the plain graph, as the last pass of the default pipeline."""
+    before = plain(model_type)
+    ctx = dataclasses.replace(before.ctx, config=CompileConfig(dtype="float32", weight_dtype=weight_dtype),
+                              weights=dict(before.ctx.weights), stats={}, history=list(before.ctx.history))
+    return Compiled(run_pipeline(clone_graph(before.graph_module), ctx, ["narrow_weights"]), ctx)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"], ids=["untied", "tied"])
 def test_every_linear_reads_a_narrow_weight(model_type):
-    plain, narrow = narrowed(model_type, None), narrowed(model_type, "bfloat16")
-    linears = plain.count("aten.linear")
+    narrow = narrowed(model_type, "bfloat16")
+    linears = plain(model_type).count("aten.linear")
     assert narrow.count("aten.linear") == 0
     assert narrow.count("octavo.linear_w16") == linears
     embeddings = [node for node in narrow.graph_module.graph.nodes if node.target is aten.embedding.default]
@@ -55,25 +59,33 @@ def test_every_linear_reads_a_narrow_weight(model_type):
         if node.target is torch.ops.octavo.linear_w16.default:
             weight = narrow.ctx.weights[node.args[1].name]
             assert weight.dtype == torch.bfloat16
-            assert torch.equal(weight, plain.ctx.weights[node.args[1].name].to(torch.bfloat16))
+            assert torch.equal(weight, plain(model_type).ctx.weights[node.args[1].name].to(torch.bfloat16))
             bias = node.args[2]
             assert bias is None or narrow.ctx.weights[bias.name].dtype == torch.float32
     stats = narrow.stats("narrow_weights")
     assert stats["linears"] == linears and stats["embeddings"] == len(embeddings)
-    saved = sum(plain.ctx.weights[name].numel() * 2 for name, tensor in narrow.ctx.weights.items()
-                if tensor.dtype == torch.bfloat16)
+    saved = sum(tensor.numel() * 2 for tensor in narrow.ctx.weights.values() if tensor.dtype == torch.bfloat16)
     assert stats["bytes_saved"] == saved > 0
-    assert plain.stats("narrow_weights") == {"weight_dtype": "float32", "linears": 0}
 
 
-@pytest.mark.parametrize("weight_dtype", list(WEIGHT_DTYPES))
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"], ids=["untied", "tied"])
+def test_nothing_changes_without_a_weight_dtype():
+    before = plain("llama")
+    ctx = dataclasses.replace(before.ctx, config=CompileConfig(dtype="float32"), weights=dict(before.ctx.weights),
+                              stats={}, history=[])
+    after = run_pipeline(clone_graph(before.graph_module), ctx, ["narrow_weights"])
+    assert ctx.history[0]["stats"] == {"weight_dtype": "float32", "linears": 0}
+    assert op_histogram(after) == before.histogram()
+    assert all(ctx.weights[name] is tensor for name, tensor in before.ctx.weights.items())
+
+
+@pytest.mark.parametrize(("model_type", "weight_dtype"), [("llama", "bfloat16"), ("qwen2", "bfloat16"),
+                                                          ("llama", "float16")])
 def test_outputs_equal_the_float32_graph_over_rounded_weights(model_type, weight_dtype):
-    plain, narrow = narrowed(model_type, None), narrowed(model_type, weight_dtype)
+    before, narrow = plain(model_type), narrowed(model_type, weight_dtype)
     rounded = {name: tensor.to(WEIGHT_DTYPES[weight_dtype]).float()
                if narrow.ctx.weights[name].dtype != torch.float32 else tensor
-               for name, tensor in plain.ctx.weights.items()}
-    assert_bitwise_equal(run_steps(narrow), run_steps(plain, weights=rounded))
+               for name, tensor in before.ctx.weights.items()}
+    assert_bitwise_equal(run_steps(narrow), run_steps(before, weights=rounded))
 
 
 def test_weight_dtype_needs_float32_compute():
