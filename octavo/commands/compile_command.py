@@ -44,6 +44,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the compiler pulls in torch._dynamo, which every other command would pay for at startup.
+    from octavo.codegen.cpu_backend.precision import resolve_precision
     from octavo.compiler import compile_model
 
     config = CompileConfig(dtype=args.dtype, weight_dtype=args.weight_dtype, block_size=args.block_size,
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
                            progress=True, quant=args.quant, group_size=args.group_size,
                            kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
                            vocab_quant=args.vocab_quant)
+    config = resolve_precision(config)
+    if config.dtype_choice:
+        error_console.print(f"dtype {config.dtype_choice}", markup=False)
     start = time.perf_counter()
     with console.status("loading model") as status:
         path = compile_model(args.model, args.output, config, overwrite=args.overwrite,
