@@ -16,12 +16,14 @@ octavo = torch.ops.octavo
 
 
 @register_pass("narrow_weights", "store linear and embedding weights in --weight-dtype: aten.linear -> "
-                                 "octavo.linear_w16 (float32 compute)")
+                                 "octavo.linear_w16 (float32 compute)", required=True)
 def narrow_weights(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     """Round every linear's weight (lm_head included) and every embedding table to ctx.config.weight_dtype.
 
     Applies when the artifact computes in float32 and ctx.config.weight_dtype is bfloat16 or
-    float16 (otherwise it changes nothing). Each weight placeholder read by an aten.linear or
+    float16 (otherwise it changes nothing); the default pipeline runs it last, for exactly
+    those configs (an optional pass), and it cannot be disabled (the manifest's weight dtype
+    depends on it). Each weight placeholder read by an aten.linear or
     an aten.embedding gets its tensor rounded (round to nearest even) to that dtype; then
     - ``aten.linear(x, w[, b])`` becomes ``octavo.linear_w16(x, w[, b])`` (the bias stays float32),
       which computes x @ w.float().T + b in float32;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
 from octavo.ir.graph import op_histogram
-from octavo.passes import run_pipeline
+from octavo.passes import resolve_pipeline, run_pipeline
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import run_cli
@@ -123,6 +124,20 @@ def test_artifact_matches_hugging_face_over_the_same_rounded_weights(narrowed_ar
             expected = reference(torch.tensor([seq.token_ids[:seq.num_computed_tokens]])).logits[0, -1]
         worst = max(worst, (expected - engine.last_step.logits[0]).abs().max().item())
     assert worst <= 1e-4, f"max abs logits difference {worst}"
+
+
+def test_only_configs_that_narrow_run_the_pass(narrowed_artifact):
+    def names(config):
+        return [info.name for info in resolve_pipeline("default", (), config)]
+
+    narrowing = CompileConfig(dtype="float32", weight_dtype="bfloat16")
+    assert names(narrowing)[-1] == "narrow_weights"
+    assert "narrow_weights" not in names(CompileConfig(dtype="float32")) + names(CompileConfig(dtype="bfloat16"))
+    manifest = json.loads((narrowed_artifact / "manifest.json").read_text())
+    assert [record["name"] for record in manifest["passes"]] == names(narrowing)
+    assert manifest["passes"][-1]["stats"]["weight_dtype"] == manifest["weight_dtype"] == "bfloat16"
+    with pytest.raises(OctavoError, match="cannot be disabled"):
+        resolve_pipeline("default", ("narrow_weights",), narrowing)
 
 
 def test_inspect_shows_the_weight_storage(narrowed_artifact):
