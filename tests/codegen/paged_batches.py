@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from octavo.ir.ops.attention import QUANTIZED_CACHE_RANGES, quantize_kv
+from octavo.ir.ops.attention import QUANTIZED_CACHE_MAX, quantize_cache_vectors
 
 # fp32: a few float32 ulps of accumulated rounding (the kernel sums in another order than the reference);
 # bf16 / fp16: the output is rounded to the 16-bit type once, so a result next to a rounding boundary
@@ -63,13 +63,13 @@ def make_batch(shapes: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
     written = torch.cat(cached_slots)
     for name in ("key", "value"):
         context = torch.cat(cached[name]).to(dtype)  # the earlier steps' rows, as the model produced them
-        if cache_dtype in QUANTIZED_CACHE_RANGES:
+        if cache_dtype in QUANTIZED_CACHE_MAX:
             if cache_dtype == torch.int8:
                 cache = torch.randint(-128, 128, shape, generator=generator, dtype=torch.int8)
             else:
                 cache = torch.full(shape, float("nan")).to(cache_dtype)
             scales = torch.full(shape[:3], float("nan"))
-            values, row_scales = quantize_kv(context, cache_dtype)
+            values, row_scales = quantize_cache_vectors(context, cache_dtype)
             cache.view(-1, num_kv_heads, head_dim)[written] = values
             scales.view(-1, num_kv_heads)[written] = row_scales
             batch[f"{name}_scale_cache"] = scales

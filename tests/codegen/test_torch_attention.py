@@ -19,7 +19,6 @@ import octavo.ir.ops  # noqa: F401  (registers octavo::paged_attention)
 from octavo.codegen.lowering import lower_graph
 from octavo.codegen.torch_backend import KERNELS
 from octavo.codegen.torch_backend.attention import paged_attention as torch_kernel
-from octavo.codegen.torch_backend.attention import shared_prefix_blocks
 from octavo.errors import OctavoError
 
 reference_op = torch.ops.octavo.paged_attention.default
@@ -193,22 +192,3 @@ def test_lower_graph_rejects_unknown_backend():
     with pytest.raises(OctavoError, match=r"unknown backend 'tpu': choose one of torch"):
         lower_graph(graph_module, "tpu")
 
-
-# ------------------------------------------------------------------------------- quantized caches
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize("shared_blocks", [0, 2], ids=["plain", "cascade"])
-def test_quantized_caches_match_reference(cache_dtype, shared_blocks):
-    """int8 / fp8 caches with scale caches: the same writes (values and scales) and outputs as the reference."""
-    from tests.codegen.paged_batches import make_batch as make_quantized_batch
-
-    shapes = [(40, 1), (33, 1), (50, 1)] if shared_blocks else MIXED
-    batch = make_quantized_batch(shapes, 6, 2, 64, cache_dtype=cache_dtype, shared_blocks=shared_blocks)
-    if shared_blocks:
-        assert shared_prefix_blocks(batch["block_tables"], batch["seq_lens"], BLOCK_SIZE) == shared_blocks
-    kernel_batch, kernel_output, reference_batch, reference_output = run_both(batch)
-    rows = int(batch["query_start_loc"][-1])
-    torch.testing.assert_close(kernel_output[:rows], reference_output[:rows], **TOLERANCE[torch.float32])
-    for name in ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"):
-        assert torch.equal(kernel_batch[name].view(torch.uint8), reference_batch[name].view(torch.uint8)), name

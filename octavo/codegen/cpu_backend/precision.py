@@ -58,11 +58,17 @@ def choose_precision(weight_dtype: str | None = None, target: CpuTarget | None =
 
 
 def resolve_precision(config: CompileConfig) -> CompileConfig:
-    """`config` with dtype "auto" replaced by this machine's choice (logged, and kept in dtype_choice)."""
+    """`config` with dtype "auto" replaced by this machine's choice (logged, and kept in dtype_choice).
+
+    A quantized config (--quant) keeps its weights as the scheme stores them: auto then only picks
+    the compute dtype.
+    """
     if config.dtype != "auto":
         return config
     choice = choose_precision(config.weight_dtype)
     weight_dtype = None if choice.weight_dtype == choice.dtype else choice.weight_dtype
+    if config.quant != "none" and config.weight_dtype is None:
+        weight_dtype = None
     logger.info("--dtype auto: %s compute, %s weights (%s)", choice.dtype, choice.weight_dtype, choice.reason)
     return dataclasses.replace(config, dtype=choice.dtype, weight_dtype=weight_dtype,
                                dtype_choice=f"auto: {choice.reason}")

@@ -38,6 +38,8 @@ def test_resolve_precision_touches_only_auto():
     choice = choose_precision()
     assert (resolved.dtype, resolved.storage_dtype) == (choice.dtype, choice.weight_dtype)
     assert resolved.dtype_choice == f"auto: {choice.reason}"
+    quantized = resolve_precision(CompileConfig(quant="w8"))
+    assert (quantized.dtype, quantized.weight_dtype) == (choice.dtype, None)  # the scheme stores the weights
 
 
 @pytest.mark.parametrize(("dtype", "target", "slow"), [
