@@ -59,9 +59,10 @@ struct Problem {
 };
 
 struct Scratch {
-  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators;
+  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
   std::vector<const float*> queries, key_rows, value_rows;
   std::vector<float*> records;
+  std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
 };
 
 // Context position `position` of kv head `head` as floats in dst[0:dim] (dequantized); dst[dim:] untouched.
@@ -322,6 +323,7 @@ void run_item(const Problem& p, const Schedule& schedule, const Partials& partia
               const int32_t* starts, const Item& item, Scratch& s) {
   const int64_t chunk = chunk_tokens(p.block_size);
   if (item.kind == Kind::kPrefill) {
+    s.finished.clear();
     const int64_t b = item.index, q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
     const int64_t offset = item.value - (seq_len - q_len);
     const int64_t count = std::min(std::max<int64_t>(1, kPrefillRows / p.group), q_len - offset);
@@ -338,15 +340,18 @@ void run_item(const Problem& p, const Schedule& schedule, const Partials& partia
     }
   };
   int64_t seq, c;
+  s.finished.clear();
   if (item.kind == Kind::kChunk) {
     seq = schedule.decodes[item.index].seq;
     c = item.value;
     add_queries(item.index, c);
+    s.finished.push_back(item.index);
   } else {
     const SharedChunk& group = schedule.shared[item.index];
     seq = schedule.decodes[group.members[0]].seq;
     c = group.chunk;
     for (int64_t d : group.members) add_queries(d, c);
+    s.finished = group.members;
   }
   const int64_t position = seq_lens[seq] - 1;
   const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
@@ -355,44 +360,50 @@ void run_item(const Problem& p, const Schedule& schedule, const Partials& partia
                      s.records.data(), static_cast<int64_t>(s.queries.size()), s);
 }
 
-// Merge each decode sequence's chunk partials in chunk order: softmax over the union of the chunks.
-void merge_decodes(const Problem& p, const Schedule& schedule, const Partials& partials) {
+// Merge one decode sequence's chunk partials of one kv head, in chunk order: softmax over the union of the
+// chunks. `acc` is scratch of padded_value_dim floats.
+void merge_decode(const Problem& p, const DecodeSeq& decode, int64_t head, const Partials& partials, float* acc) {
   const int64_t pvd = p.padded_value_dim;
-  const int64_t count = static_cast<int64_t>(schedule.decodes.size()) * p.num_kv_heads;
-  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(pvd);
-    for (int64_t index = begin; index < end; ++index) {
-      const DecodeSeq& decode = schedule.decodes[index / p.num_kv_heads];
-      const int64_t head = index % p.num_kv_heads;
-      for (int64_t g = 0; g < p.group; ++g) {
-        float best = kNegInf;
-        for (int64_t c = 0; c < decode.num_chunks; ++c) best = std::max(best, partials.record(decode.slot + c, head, g)[pvd]);
-        float total = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t c = 0; c < decode.num_chunks; ++c) {
-          const float* record = partials.record(decode.slot + c, head, g);
-          const float weight = std::exp(record[pvd] - best);
-          total += weight * record[pvd + 1];
-          axpy(weight, record, acc.data(), pvd);
-        }
-        float* out = p.output + (decode.token * p.num_heads + head * p.group + g) * pvd;
-        const Vec sum(total);
-        for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(acc.data() + i) / sum).store(out + i);
-      }
+  for (int64_t g = 0; g < p.group; ++g) {
+    float best = kNegInf;
+    for (int64_t c = 0; c < decode.num_chunks; ++c) best = std::max(best, partials.record(decode.slot + c, head, g)[pvd]);
+    float total = 0.f;
+    std::fill(acc, acc + pvd, 0.f);
+    for (int64_t c = 0; c < decode.num_chunks; ++c) {
+      const float* record = partials.record(decode.slot + c, head, g);
+      const float weight = std::exp(record[pvd] - best);
+      total += weight * record[pvd + 1];
+      axpy(weight, record, acc, pvd);
     }
-  });
+    float* out = p.output + (decode.token * p.num_heads + head * p.group + g) * pvd;
+    const Vec sum(total);
+    for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(acc + i) / sum).store(out + i);
+  }
 }
 
+// All work items in one parallel region: the thread that writes the last chunk partial of a (decode
+// sequence, kv head) merges them (the counter's acquire-release orders the other threads' writes before it).
 template <typename CT>
 void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
   const Schedule schedule = plan(p, seq_lens, starts, batch);
   const int64_t record_size = p.record_size();
   std::vector<float> storage(schedule.num_slots * p.num_kv_heads * p.group * record_size);
   const Partials partials{storage.data(), record_size, p.num_kv_heads, p.group};
+  std::vector<std::atomic<int32_t>> remaining(schedule.decodes.size() * p.num_kv_heads);
+  for (size_t index = 0; index < remaining.size(); ++index) {
+    remaining[index].store(static_cast<int32_t>(schedule.decodes[index / p.num_kv_heads].num_chunks),
+                           std::memory_order_relaxed);
+  }
   for_each_item<Scratch>(static_cast<int64_t>(schedule.items.size()), [&](int64_t index, Scratch& scratch) {
-    run_item<CT>(p, schedule, partials, seq_lens, starts, schedule.items[index], scratch);
+    const Item& item = schedule.items[index];
+    run_item<CT>(p, schedule, partials, seq_lens, starts, item, scratch);
+    for (int64_t d : scratch.finished) {
+      if (remaining[d * p.num_kv_heads + item.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        scratch.merged.resize(p.padded_value_dim);
+        merge_decode(p, schedule.decodes[d], item.head, partials, scratch.merged.data());
+      }
+    }
   });
-  merge_decodes(p, schedule, partials);
 }
 
 // ---- cache write ------------------------------------------------------------------------------------
@@ -419,7 +430,8 @@ float quantize_row(const float* src, int64_t n, CT* dst) {
 template <typename CT>
 void write_pool(const at::Tensor& rows, const Pool& pool, const int64_t* slots, int64_t block_size, bool same_type) {
   const int64_t num_tokens = rows.size(0), num_heads = rows.size(1), dim = rows.size(2);
-  at::parallel_for(0, num_tokens * num_heads, 64, [&](int64_t begin, int64_t end) {
+  // Rows are small: a decode step (a few hundred rows) writes on one thread, without a parallel region.
+  at::parallel_for(0, num_tokens * num_heads, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t t = index / num_heads, h = index % num_heads, slot = slots[t];
       if (slot < 0) continue;
