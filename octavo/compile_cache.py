@@ -12,21 +12,13 @@ from pathlib import Path
 import torch
 
 from octavo import __version__
+from octavo.cache_dir import cache_root
+from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.config import CompileConfig
 from octavo.frontend.sources import ModelSource, load_model
 from octavo.ir.artifact_format import MANIFEST
 
 logger = logging.getLogger(__name__)
-
-CACHE_DIR_ENV = "OCTAVO_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    """OCTAVO_CACHE_DIR, else $XDG_CACHE_HOME/octavo, else ~/.cache/octavo."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "octavo"
 
 
 def cache_key(model_source: ModelSource, config: CompileConfig) -> str:
@@ -37,7 +29,7 @@ def cache_key(model_source: ModelSource, config: CompileConfig) -> str:
 
     payload = {
         "model": model_source.checksum,
-        "options": config.output_key(),
+        "options": resolve_precision(config).output_key(),
         "octavo": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -50,11 +42,12 @@ def cached_artifact(source: str | os.PathLike, config: CompileConfig | None = No
     """The artifact for (source, config), compiled into the cache unless an identical one is there."""
     from octavo.compiler import compile_model
 
-    config = config or CompileConfig()
+    config = resolve_precision(config or CompileConfig())
     model_source = load_model(source)
     key = cache_key(model_source, config)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", model_source.name.removesuffix(".gguf"))
-    path = cache_root() / f"{name}-{config.dtype}-{key}"
+    weights = "" if config.storage_dtype == config.dtype else f"-w{config.storage_dtype}"
+    path = cache_root() / f"{name}-{config.dtype}{weights}-{key}"
     if (path / MANIFEST).is_file():
         logger.info("using cached artifact %s", path)
         return path

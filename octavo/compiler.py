@@ -13,6 +13,7 @@ import torch
 
 from octavo import __version__
 from octavo.codegen.artifact import check_output_dir, write_artifact
+from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
@@ -39,6 +40,7 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     Returns the artifact path, or None when `config.stop_after` stopped the
     pipeline early (then only dumps / printed IR are produced). The dump
     directory comes from `config.dump_dir` or the OCTAVO_DUMP_DIR variable.
+    dtype "auto" is resolved for this machine first (see cpu_backend.precision).
     """
     config = _checked_config(config, output_dir, overwrite)
     stage = on_stage or (lambda message: logger.info(message))
@@ -46,7 +48,8 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     start = time.perf_counter()
     model_source = source if isinstance(source, ModelSource) else load_model(source)
     timings["load_source_s"] = time.perf_counter() - start
-    stage(f"tracing {model_source.name} ({model_source.config.model_type}, {config.dtype})")
+    weights = "" if config.storage_dtype == config.dtype else f", {config.storage_dtype} weights"
+    stage(f"tracing {model_source.name} ({model_source.config.model_type}, {config.dtype}{weights})")
     start = time.perf_counter()
     traced = trace(model_source, config.dtype)
     timings["trace_s"] = time.perf_counter() - start
@@ -82,7 +85,7 @@ def compile_variants(source: str | os.PathLike | ModelSource,
 
 
 def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -> CompileConfig:
-    config = config or CompileConfig()
+    config = resolve_precision(config or CompileConfig())
     scheme_for(config)  # an unknown or not yet available scheme fails before any work
     if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
         config.dump_dir = os.environ[DUMP_DIR_ENV]
@@ -184,6 +187,8 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
                    "config": model_config.to_dict()},
         "compile_options": config.output_key(),
         "dtype": config.dtype,
+        "weight_dtype": config.storage_dtype,
+        "dtype_choice": config.dtype_choice or "requested",
         "quantization": ctx.quantization,
         "vocab_size": int(model_config.vocab_size),
         "max_model_len": int(getattr(model_config, "max_position_embeddings", 2048)),

@@ -10,6 +10,7 @@ from pathlib import Path
 from octavo.errors import OctavoError
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
 QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -20,16 +21,26 @@ VOCAB_QUANT = ("int8", "w4", "none")
 class CompileConfig:
     """Options of `octavo compile`.
 
-    Only `dtype`, `block_size`, `disabled_passes` and the quantization options
-    (`quant`, `group_size`, `kv_cache_dtype`, `calibration`) decide what the artifact
-    computes; they (with the model checksum and the versions) form the compile
-    cache key. Dump and print options only change what is written for reading.
-    `group_size` None means the scheme's default; `calibration` is a text/JSONL
-    file or "default" (the project's own text) for schemes that calibrate;
-    `vocab_quant` is how a quantized artifact stores the embedding and lm_head.
+    Only `dtype`, `weight_dtype`, `block_size`, `disabled_passes` and the
+    quantization options (`quant`, `group_size`, `kv_cache_dtype`, `calibration`)
+    decide what the artifact computes; they (with the model checksum and the
+    versions) form the compile cache key. Dump and print options only change
+    what is written for reading. `group_size` None means the scheme's default;
+    `calibration` is a text/JSONL file or "default" (the project's own text) for
+    schemes that calibrate; `vocab_quant` is how a quantized artifact stores the
+    embedding and lm_head.
+
+    `dtype` "auto" is resolved by the compiler for the machine it runs on
+    (bfloat16 where the CPU computes it natively, else float32 with bfloat16
+    weight storage); the cache key and the manifest hold the resolved choice.
+    `weight_dtype` (bfloat16 or float16) stores the linear and embedding
+    weights of a float32 artifact in 16 bits; None stores them in `dtype`.
+    `dtype_choice` says why a resolved "auto" chose what it did (None when
+    the dtype was given).
     """
 
-    dtype: str = "float32"
+    dtype: str = "auto"
+    weight_dtype: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     disabled_passes: tuple[str, ...] = ()
     quant: str = "none"
@@ -41,10 +52,17 @@ class CompileConfig:
     stop_after: str | None = None
     print_ir_after: tuple[str, ...] = ()
     progress: bool = False
+    dtype_choice: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise OctavoError(f"unsupported dtype {self.dtype!r}: choose one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
+            raise OctavoError(f"unsupported dtype {self.dtype!r}: choose auto or one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
+            raise OctavoError(f"unsupported weight dtype {self.weight_dtype!r}: "
+                              f"choose one of {', '.join(WEIGHT_DTYPES)}")
+        if self.dtype in WEIGHT_DTYPES and self.weight_dtype not in (None, self.dtype):
+            raise OctavoError(f"--weight-dtype {self.weight_dtype} needs float32 compute (--dtype float32 or auto); "
+                              f"a {self.dtype} artifact stores its weights in {self.dtype}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise OctavoError(f"block_size must be a positive power of two, got {self.block_size}")
         self.disabled_passes = tuple(self.disabled_passes)
@@ -64,13 +82,21 @@ class CompileConfig:
 
     def output_key(self) -> dict:
         """The options that decide the artifact's contents (for the manifest and the cache key)."""
-        return {
+        key = {
             "dtype": self.dtype,
             "block_size": self.block_size,
             "disabled_passes": sorted(self.disabled_passes),
             "stop_after": self.stop_after,
             **self._quantization_key(),
         }
+        if self.storage_dtype != self.dtype:  # present only when narrowed (unnarrowed keys stay as they were)
+            key["weight_dtype"] = self.storage_dtype
+        return key
+
+    @property
+    def storage_dtype(self) -> str:
+        """The dtype the linear and embedding weights are stored in."""
+        return self.weight_dtype or self.dtype
 
     def _quantization_key(self) -> dict:
         """Quantization options, present only when set (keeps the key of unquantized artifacts unchanged)."""
@@ -153,8 +179,8 @@ class EngineConfig:
             raise OctavoError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise OctavoError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.backend not in ("auto", "torch", "triton"):
-            raise OctavoError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        if self.backend not in ("auto", "torch", "triton", "cpu"):
+            raise OctavoError(f"backend must be auto, torch, triton or cpu, got {self.backend!r}")
         self._check_parallel()
 
     @property

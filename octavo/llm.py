@@ -33,7 +33,7 @@ class LLM:
     arguments, as in EngineConfig.
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype: str = "float32", **engine_options):
+    def __init__(self, model: str | os.PathLike, *, dtype: str = "auto", **engine_options):
         path = Path(model).expanduser()
         if not (path / MANIFEST).is_file():
             from octavo.compile_cache import cached_artifact

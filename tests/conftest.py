@@ -13,12 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from octavo.cache_dir import cache_root
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
 # kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
 if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(2)
+# The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
+# a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
+os.environ.setdefault("OCTAVO_CPU_KERNELS_DIR", str(cache_root() / "cpu_kernels"))
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +75,14 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 def tiny_artifact(tmp_path_factory, tiny_model_dir):
     """Factory: a compiled fp32 artifact of a tiny model (cached per session)."""
     from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
 
     made: dict[str, Path] = {}
 
     def build(model_type: str) -> Path:
         if model_type not in made:
             output = tmp_path_factory.mktemp(f"artifact-{model_type}") / "artifact"
-            made[model_type] = compile_model(tiny_model_dir(model_type), output)
+            made[model_type] = compile_model(tiny_model_dir(model_type), output, CompileConfig(dtype="float32"))
         return made[model_type]
 
     return build
@@ -132,7 +138,7 @@ def smollm2_fp32_compile(tmp_path_factory) -> CompileRun:
     root = tmp_path_factory.mktemp("smollm2-fp32")
     artifact, dump_dir = root / "artifact", root / "dumps"
     start = time.perf_counter()
-    result = run_cli("compile", "smollm2-135m", "-o", str(artifact), "--dump-dir", str(dump_dir))
+    result = run_cli("compile", "smollm2-135m", "-o", str(artifact), "--dtype", "float32", "--dump-dir", str(dump_dir))
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     return CompileRun(artifact, dump_dir, result, seconds)

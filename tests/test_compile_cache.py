@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -12,11 +13,13 @@ import torch
 import transformers
 
 import octavo
-from octavo.compile_cache import cache_key, cache_root, cached_artifact
-from octavo.config import CompileConfig
+from octavo.codegen.cpu_backend.precision import resolve_precision, slow_dtype_warning
+from octavo.compile_cache import cache_key, cached_artifact
+from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError
 from octavo.frontend.sources import load_model
 from octavo.llm import LLM
+from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
 
@@ -46,17 +49,6 @@ def model_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 
-def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv("OCTAVO_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cache_root() == tmp_path / "home" / ".cache" / "octavo"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_root() == tmp_path / "xdg" / "octavo"
-    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "mine"))
-    assert cache_root() == tmp_path / "mine"
-
-
 def model_checksum(directory: Path) -> str:
     """The documented checksum of an HF directory: sha256 over config.json, then every *.safetensors in name
     order, each as its file name followed by its bytes."""
@@ -76,7 +68,7 @@ def documented_key(checksum: str, options: dict) -> str:
 
 
 def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
-    first = cached_artifact(model_dir, CompileConfig())
+    first = cached_artifact(model_dir, CompileConfig(dtype="float32"))
     checksum = model_checksum(model_dir)
     options = {"dtype": "float32", "block_size": 16, "disabled_passes": [], "stop_after": None}
     assert first == cache_dir / f"{model_dir.name}-float32-{documented_key(checksum, options)}"
@@ -85,12 +77,12 @@ def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
     assert manifest["compile_options"] == options
     before, entries = snapshot(first), sorted(cache_dir.iterdir())
     # Options that only change what is written for reading (dumps, progress) are not part of the key.
-    again = cached_artifact(model_dir, CompileConfig(progress=True))
+    again = cached_artifact(model_dir, CompileConfig(dtype="float32", progress=True))
     assert again == first
     assert snapshot(again) == before, "the cached artifact was recompiled"
     assert sorted(cache_dir.iterdir()) == entries, "nothing new was compiled"
     # LLM(model source) goes through the same cache.
-    llm = LLM(model_dir, num_kv_blocks=8)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=8)
     assert llm.artifact_path == first
     assert snapshot(first) == before
     [output] = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -98,7 +90,7 @@ def test_same_model_and_options_reuse_one_artifact(cache_dir, model_dir):
     assert_pool_full(llm.engine)
 
 
-def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir):
+def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir, caplog):
     float32 = cached_artifact(model_dir, CompileConfig(dtype="float32"))
     before = snapshot(float32)
     bfloat16 = cached_artifact(model_dir, CompileConfig(dtype="bfloat16"))
@@ -109,6 +101,22 @@ def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir):
     assert json.loads((float32 / "manifest.json").read_text())["dtype"] == "float32"
     weights = json.loads((bfloat16 / "manifest.json").read_text())["signature"]
     assert weights["weight_bytes"] < json.loads((float32 / "manifest.json").read_text())["signature"]["weight_bytes"]
+    # Loading it warns exactly where bf16 compute is slow on this CPU (no AMX), saying how to fix it.
+    with caplog.at_level(logging.WARNING, logger="octavo"):
+        LLMEngine(bfloat16, EngineConfig(num_kv_blocks=8))
+    expected = slow_dtype_warning("bfloat16")
+    warnings = [record.getMessage() for record in caplog.records if "no fast matmul" in record.getMessage()]
+    assert warnings == ([expected] if expected else [])
+
+
+def test_auto_is_keyed_and_recorded_as_the_machine_choice(model_dir):
+    source = load_model(model_dir)
+    resolved = resolve_precision(CompileConfig())
+    assert cache_key(source, CompileConfig()) == cache_key(source, resolved)
+    # auto never means plain float32: bf16 compute, or float32 over 16-bit weights.
+    assert cache_key(source, CompileConfig()) != cache_key(source, CompileConfig(dtype="float32"))
+    assert cache_key(source, CompileConfig(dtype="float32", weight_dtype="bfloat16")) != cache_key(
+        source, CompileConfig(dtype="float32"))
 
 
 def test_the_key_follows_the_model_checksum_not_its_location(tmp_path, model_dir):

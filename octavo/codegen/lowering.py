@@ -11,17 +11,21 @@ from octavo.errors import OctavoError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 def backend_kernels(backend: str) -> dict:
-    """The op -> kernel table of `backend` ("torch" or "triton")."""
+    """The op -> kernel table of `backend` ("torch", "triton" or "cpu")."""
     if backend == "torch":
         from octavo.codegen.torch_backend import KERNELS
 
         return KERNELS
     if backend == "triton":
         from octavo.codegen.triton_backend import KERNELS
+
+        return KERNELS
+    if backend == "cpu":
+        from octavo.codegen.cpu_backend import KERNELS
 
         return KERNELS
     raise OctavoError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")

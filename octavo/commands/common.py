@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    group.add_argument("--backend", choices=["auto", "torch", "triton"], default=None)
+    group.add_argument("--backend", choices=["auto", "torch", "triton", "cpu"], default=None)
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     parallel = parser.add_argument_group("parallel options")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",

@@ -14,7 +14,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("model", nargs="?", default="smollm2-135m",
                         help="bundled model name, HF model directory or .gguf file (default: smollm2-135m)")
     parser.add_argument("-o", "--output", help="artifact directory to write")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="compute dtype; auto (default): bfloat16 where this CPU computes it natively (AMX), "
+                             "else float32 with bfloat16 weights")
+    parser.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
+                        help="store a float32 artifact's linear and embedding weights in 16 bits "
+                             "(half the bytes per decode step; compute stays float32)")
     parser.add_argument("--dump-dir", help="write the graph after every pass here (also: OCTAVO_DUMP_DIR)")
     parser.add_argument("--disable-pass", action="append", default=[], metavar="PASS",
                         help="skip a pass (repeatable, or comma-separated)")
@@ -39,14 +44,19 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the compiler pulls in torch._dynamo, which every other command would pay for at startup.
+    from octavo.codegen.cpu_backend.precision import resolve_precision
     from octavo.compiler import compile_model
 
-    config = CompileConfig(dtype=args.dtype, block_size=args.block_size, dump_dir=args.dump_dir,
+    config = CompileConfig(dtype=args.dtype, weight_dtype=args.weight_dtype, block_size=args.block_size,
+                           dump_dir=args.dump_dir,
                            disabled_passes=tuple(_split(args.disable_pass)),
                            print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,
                            progress=True, quant=args.quant, group_size=args.group_size,
                            kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
                            vocab_quant=args.vocab_quant)
+    config = resolve_precision(config)
+    if config.dtype_choice:
+        error_console.print(f"dtype {config.dtype_choice}", markup=False)
     start = time.perf_counter()
     with console.status("loading model") as status:
         path = compile_model(args.model, args.output, config, overwrite=args.overwrite,

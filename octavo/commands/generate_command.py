@@ -35,7 +35,8 @@ def add_parsers(subparsers) -> None:
     chat.set_defaults(run=run_chat)
 
     demo = subparsers.add_parser("demo", help="compile the bundled model (cached) and answer a few chat prompts")
-    demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    demo.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="auto (default): bf16 where this CPU computes it natively, else float32 over bf16 weights")
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.set_defaults(run=run_demo)
 

@@ -28,8 +28,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"model    {source['name']} ({source['model_type']}, {source['kind']}), "
                   f"sha256 {source['checksum_sha256'][:16]}")
     scheme = (manifest.get("quantization") or {}).get("scheme", "none")
-    console.print(f"dtype    {manifest['dtype']}, quantization {scheme}, "
+    console.print(f"dtype    {manifest['dtype']}, weights {manifest.get('weight_dtype', manifest['dtype'])}, "
+                  f"quantization {scheme}, "
                   f"vocab {manifest['vocab_size']}, max_model_len {manifest['max_model_len']}")
+    if manifest.get("dtype_choice", "requested") != "requested":
+        console.print(f"         ({manifest['dtype_choice']})", markup=False)
     console.print(f"kv cache {layout['num_layers']} layers x {layout['num_kv_heads']} kv heads x "
                   f"{layout['head_dim']} dims, block {layout['block_size']}, {layout['cache_dtype']}")
     _print_quantization(manifest.get("quantization"))

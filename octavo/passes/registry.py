@@ -27,12 +27,14 @@ PASSES: dict[str, PassInfo] = {}
 PIPELINES: dict[str, list[str]] = {
     "default": ["canonicalize", "match_attention", "prune_logits", "fuse_rms_norm", "fuse_add_rms_norm",
                 "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope", "fuse_pointwise",
-                "quantize_weights", "quantize_kv_cache"],
+                "quantize_weights", "quantize_kv_cache", "narrow_weights"],
 }
 
 OPTIONAL_PASSES: dict[str, Callable[[object], bool]] = {
     "quantize_weights": lambda config: config.quant != "none",
     "quantize_kv_cache": lambda config: config.kv_cache_dtype != "auto",
+    # float32 compute over 16-bit weights (--weight-dtype)
+    "narrow_weights": lambda config: config.dtype == "float32" and config.weight_dtype not in (None, "float32"),
 }
 """Passes that run only when the compile config asks for them (a named pipeline lists them)."""
 

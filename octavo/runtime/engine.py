@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from octavo.codegen.cpu_backend.precision import slow_dtype_warning
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.runtime.block_manager import BlockManager
@@ -57,6 +58,8 @@ class LLMEngine:
             from octavo.codegen.triton_backend.availability import check_triton_kv_layout
 
             check_triton_kv_layout(manifest["kv_layout"])
+        if self.device.type == "cpu" and (slow := slow_dtype_warning(manifest["dtype"])):
+            logger.warning(slow)
         self.tokenizer = self.artifact.tokenizer
         self.eos_token_ids = self.artifact.eos_token_ids
         self.vocab_size = manifest["vocab_size"]
@@ -297,9 +300,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """auto: triton on CUDA (when installed), torch on CPU. An explicit triton must be able to run there."""
+    """auto: triton on CUDA (when installed); on CPU the native cpu kernels when they build here, else torch
+    (with one warning naming what is missing). An explicit triton or cpu must be able to run there."""
+    from octavo.codegen.cpu_backend.kernel_table import cpu_backend_problem
     from octavo.codegen.triton_backend.availability import check_triton_backend
 
+    if backend == "cpu" or (backend == "auto" and device.type == "cpu"):
+        problem = "it runs on CPU only" if device.type != "cpu" else cpu_backend_problem()
+        if problem is None:
+            return "cpu"
+        if backend == "cpu":
+            raise OctavoError(f"backend cpu cannot run: {problem}")
+        _warn_once(f"the native CPU kernels are unavailable, running the slower torch backend: {problem}")
+        return "torch"
     if backend == "auto":
         if device.type != "cuda":
             return "torch"
@@ -310,6 +323,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "triton":
         check_triton_backend(device)
     return backend
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def artifact_path(path: str | os.PathLike) -> Path:

@@ -43,7 +43,8 @@ def long_context_model(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def long_context_artifact(long_context_model, tmp_path_factory) -> Path:
-    return compile_model(long_context_model, tmp_path_factory.mktemp("tiny-long-artifact") / "artifact")
+    return compile_model(long_context_model, tmp_path_factory.mktemp("tiny-long-artifact") / "artifact",
+                         CompileConfig(dtype="float32"))
 
 
 def bench(*args: str, stderr: list[str] | None = None) -> str:
@@ -111,7 +112,7 @@ def test_a_quarter_of_the_pool_preempts_and_changes_no_output(long_context_artif
 
 def test_fused_versus_unfused_artifact(long_context_model, long_context_artifact, tmp_path):
     unfused = compile_model(long_context_model, tmp_path / "unfused",
-                            CompileConfig(disabled_passes=tuple(FUSION_PASSES.split(","))))
+                            CompileConfig(dtype="float32", disabled_passes=tuple(FUSION_PASSES.split(","))))
     output = bench(str(long_context_artifact), "--workload", "single", "--vs-artifact", str(unfused))
     assert f"octavo[{unfused}] single: 1 req" in output
     assert identical(output) == (1, 1)

@@ -191,3 +191,4 @@ def test_lower_graph_rejects_unknown_backend():
     graph_module = make_fx(lambda x: x + 1)(torch.zeros(2))
     with pytest.raises(OctavoError, match=r"unknown backend 'tpu': choose one of torch"):
         lower_graph(graph_module, "tpu")
+

@@ -152,6 +152,37 @@ def test_mutating_custom_op_keeps_its_place_and_its_in_place_writes():
     assert_bitwise_equal(actual_inputs[3:5], expected_inputs[3:5])
 
 
+def test_quantized_kv_cache_and_16_bit_weight_ops_round_trip():
+    """paged_attention with int8 caches and their scale caches, and linear_w16 over a bf16 weight."""
+    graph = torch.fx.Graph()
+    names = ["query", "key", "value", "key_cache", "value_cache", "slot_mapping", "block_tables", "seq_lens",
+             "query_start_loc", "key_scale_cache", "value_scale_cache", "weight"]
+    q, k, v, key_cache, value_cache, *metadata, key_scales, value_scales, weight = [graph.placeholder(name)
+                                                                                      for name in names]
+    attention = graph.call_function(torch.ops.octavo.paged_attention.default, (q, k, v, key_cache, value_cache,
+                                                                               *metadata, 0.25),
+                                    {"key_scale_cache": key_scales, "value_scale_cache": value_scales})
+    flat = graph.call_function(aten.view.default, (attention, [5, 32]))
+    graph.output(graph.call_function(torch.ops.octavo.linear_w16.default, (flat, weight)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def inputs():
+        values = paged_attention_inputs()
+        values[3], values[4] = (torch.zeros(4, 4, 2, 8, dtype=torch.int8) for _ in range(2))
+        return [*values, torch.ones(4, 4, 2), torch.ones(4, 4, 2),
+                torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)]
+
+    FakeTensorProp(gm).propagate(*inputs())
+    model, imported = round_trip(gm)
+    custom = [n.op_type for n in model.graph.node if n.domain == "ai.octavo"]
+    assert custom == ["paged_attention", "linear_w16"]
+    assert_same_graph(gm, imported)
+    expected_inputs, actual_inputs = inputs(), inputs()
+    assert_bitwise_equal(imported(*actual_inputs), gm(*expected_inputs))
+    assert expected_inputs[9].ne(1).any()  # scales were written
+    assert_bitwise_equal(actual_inputs[3:5] + actual_inputs[9:11], expected_inputs[3:5] + expected_inputs[9:11])
+
+
 def test_multi_output_ops_become_one_onnx_node_and_getitems_come_back_in_place():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

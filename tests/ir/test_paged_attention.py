@@ -206,3 +206,4 @@ def test_opcheck_schema_and_fake_impl():
     """torch.library.opcheck: declared mutations are the only ones, and the fake impl agrees with the real one."""
     batch = make_batch([(17, 3), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=8)
     torch.library.opcheck(paged_attention, batch.arguments(0.25, -1), test_utils=("test_schema", "test_faketensor"))
+

@@ -8,6 +8,7 @@ from octavo.codegen.torch_backend import quantized_linear  # noqa: F401  (regist
 from octavo.codegen.torch_backend.activation import silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
 from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
+from octavo.codegen.torch_backend.linear import linear_w16
 from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
 from octavo.codegen.torch_backend.rotary import rotary_embedding
 
@@ -28,4 +29,5 @@ KERNELS = {
     octavo.linear_w8.default: octavo.linear_w8.default,
     octavo.linear_w4.default: octavo.linear_w4.default,
     octavo.linear_fp8.default: octavo.linear_fp8.default,
+    octavo.linear_w16.default: linear_w16,
 }

@@ -5,6 +5,7 @@ from octavo.ir.ops import (  # noqa: F401
     attention,
     collectives,
     fused_pointwise,
+    linear,
     norm,
     quantized_linear,
     rotary,

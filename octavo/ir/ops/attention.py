@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 
-@torch.library.custom_op("octavo::paged_attention", mutates_args=("key_cache", "value_cache"))
+@torch.library.custom_op("octavo::paged_attention",
+                         mutates_args=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"))
 def paged_attention(
     query: Tensor,
     key: Tensor,

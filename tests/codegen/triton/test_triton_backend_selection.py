@@ -1,4 +1,4 @@
-"""--backend torch|triton: defaults, the CPU rule (interpreter only), and the kernel table's coverage."""
+"""--backend triton: the CPU rule (interpreter only) and the kernel coverage (auto on CPU: tests/codegen/cpu)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from octavo.config import EngineConfig
 from octavo.errors import OctavoError
 from octavo.ir.ops.collectives import RUNTIME_LOWERED_OPS
 from octavo.runtime.engine import LLMEngine, resolve_backend
-
-
-def test_auto_is_torch_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

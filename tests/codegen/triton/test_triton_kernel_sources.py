@@ -30,7 +30,8 @@ LLAMA_KERNELS = {"paged_attention.py", "kv_cache_write.py", "attention_decode.py
 @pytest.fixture(scope="module")
 def compiled_with_dumps(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("kernels")
-    artifact = compile_model(tiny_model_dir("llama"), root / "artifact", CompileConfig(dump_dir=str(root / "dumps")))
+    artifact = compile_model(tiny_model_dir("llama"), root / "artifact",
+                             CompileConfig(dtype="float32", dump_dir=str(root / "dumps")))
     return artifact, root / "dumps"
 
 

@@ -1,0 +1,21 @@
+"""The cpu backend: native C++ kernels for the host's vector ISA, the torch kernels for the other ops.
+
+``octavo_cpu::paged_attention`` (KV write + decode/prefill attention reading the paged cache in
+place) and ``octavo_cpu::linear_w16`` (float32 linear over 16-bit weights) are C++ ops built with
+torch.utils.cpp_extension at first use and cached (see build.py, isa.py). `KERNELS` maps every
+octavo op to its kernel: those two to the C++ ops (OpOverloads with fake impls, opaque to
+torch.compile), all others to the torch backend's kernels. It is built on first access, which
+builds or loads the library.
+"""
+
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name == "KERNELS":
+        from octavo.codegen.cpu_backend.kernel_table import build_kernel_table
+
+        table = build_kernel_table()
+        globals()["KERNELS"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,648 @@
+// octavo_cpu::paged_attention: the KV-cache write and causal attention of a flattened varlen batch over a
+// paged KV cache, read in place through the block table (semantics: octavo.ir.ops.attention.paged_attention).
+//
+// Decode (one query token): every context is cut at fixed chunk boundaries (kChunkTokens, whole blocks,
+// counted from position 0). Each (sequence, kv head, chunk) yields a partial (max, exp-sum, weighted sum)
+// for the group's query heads, so every K/V row is loaded once per group; the partials of a sequence are
+// merged by log-sum-exp in chunk order. A full chunk whose blocks several decode sequences share (prefix
+// caching) is computed once for all of them (cascade): the arithmetic of each query is the same code in
+// the same order either way, so results are bitwise equal with or without sharing, and equal whatever
+// else is in the batch.
+// Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
+// softmax, one work item per (sequence, kv head, tile of query positions).
+// All work items of a call share one pool of threads, handed out one at a time.
+#include "vec_utils.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace octavo_cpu {
+namespace {
+
+constexpr int64_t kChunkTokens = 64;  // decode chunk length (rounded up to whole blocks)
+constexpr int64_t kKeyTile = 32;      // keys per prefill tile
+constexpr int64_t kPrefillRows = 96;  // query rows (positions x heads of a group) per prefill work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// One paged pool [num_blocks, block_size, Hkv, D], with its scales [num_blocks, block_size, Hkv] if quantized.
+struct Pool {
+  void* data = nullptr;
+  int64_t block_stride = 0, token_stride = 0, head_stride = 0;
+  float* scales = nullptr;
+  int64_t scale_block_stride = 0, scale_token_stride = 0, scale_head_stride = 0;
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_dim, value_dim, padded_dim, padded_value_dim, block_size;
+  float scale;
+  int64_t window;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const float* query;  // [T, Hq, padded_dim], zero past head_dim
+  float* output;       // [T, Hq, padded_value_dim]
+  Pool keys, values;
+  int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
+};
+
+struct Scratch {
+  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
+  std::vector<const float*> queries, key_rows, value_rows;
+  std::vector<float*> records;
+  std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
+};
+
+// Context position `position` of kv head `head` as floats in dst[0:dim] (dequantized); dst[dim:] untouched.
+template <typename CT>
+inline void read_row(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t position, int64_t head,
+                     int64_t dim, int64_t padded, float* dst) {
+  const int64_t block = blocks[position / block_size], offset = position % block_size;
+  const CT* src = static_cast<const CT*>(pool.data) + block * pool.block_stride + offset * pool.token_stride +
+                  head * pool.head_stride;
+  widen(src, dim, dst);
+  if constexpr (kQuantized<CT>) {
+    scale_row(pool.scales[block * pool.scale_block_stride + offset * pool.scale_token_stride +
+                          head * pool.scale_head_stride],
+              dst, padded);
+  }
+}
+
+// Float rows (length `padded`, zero past `dim`) of positions [begin, begin + n) of one kv head: pointers into
+// the pool itself when it already holds such rows (float32, dim a multiple of the vector width), else into
+// `tile`, filled here.
+template <typename CT>
+void gather_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
+                 int64_t head, int64_t dim, int64_t padded, std::vector<float>& tile,
+                 std::vector<const float*>& rows) {
+  rows.resize(n);
+  if constexpr (std::is_same_v<CT, float>) {
+    if (dim == padded) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t position = begin + j, block = blocks[position / block_size];
+        rows[j] = static_cast<const float*>(pool.data) + block * pool.block_stride +
+                  (position % block_size) * pool.token_stride + head * pool.head_stride;
+      }
+      return;
+    }
+  }
+  if (static_cast<int64_t>(tile.size()) < n * padded) tile.resize(n * padded);
+  for (int64_t j = 0; j < n; ++j) {
+    float* row = tile.data() + j * padded;
+    std::fill(row + dim, row + padded, 0.f);
+    read_row<CT>(pool, blocks, block_size, begin + j, head, dim, padded, row);
+    rows[j] = row;
+  }
+}
+
+// Partial attention of queries[0:nq] over context positions [begin, end) of kv head `head`: for each query,
+// record[0:padded_value_dim] = sum_j exp(s_j - m) v_j, record[pvd] = m = max_j s_j, record[pvd + 1] =
+// sum_j exp(s_j - m), with s_j = scale * (q . k_j). One query's arithmetic never depends on the others.
+template <typename CT>
+void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
+                    const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
+  const int64_t n = end - begin, pvd = p.padded_value_dim;
+  // Each K and V row is read from the pool (and widened) once for all queries.
+  gather_rows<CT>(p.keys, blocks, p.block_size, begin, n, head, p.head_dim, p.padded_dim, s.key_tile, s.key_rows);
+  gather_rows<CT>(p.values, blocks, p.block_size, begin, n, head, p.value_dim, pvd, s.value_tile, s.value_rows);
+  s.scores.resize(n);
+  float* scores = s.scores.data();
+  for (int64_t q = 0; q < nq; ++q) {
+    score_rows(queries[q], s.key_rows.data(), n, p.scale, scores, p.padded_dim);
+    const float m = row_max(scores, n);
+    records[q][pvd] = m;
+    records[q][pvd + 1] = exp_shift_sum(scores, n, m);
+    std::fill(records[q], records[q] + pvd, 0.f);
+    accumulate(1.f, scores, s.value_rows.data(), n, records[q], pvd);
+  }
+}
+
+// Scores of rows [0, rows) against one transposed key tile [dim][kKeyTile]: scores[r][j] = scale * q_r . k_j,
+// kRowBlock rows at a time so that each key vector loaded serves several rows.
+inline void tile_scores(const float* const* queries, int64_t rows, const float* key_tile, int64_t dim, float scale,
+                        float* scores) {
+  constexpr int64_t kRowBlock = 4, kVectors = kKeyTile / kLanes;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - r0);
+    Vec acc[kRowBlock][kVectors];
+    for (auto& row : acc)
+      for (auto& a : row) a = Vec(0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      Vec keys[kVectors];
+      for (int64_t v = 0; v < kVectors; ++v) keys[v] = Vec::loadu(key_tile + d * kKeyTile + v * kLanes);
+      for (int64_t b = 0; b < block; ++b) {
+        const Vec qd(queries[r0 + b][d]);
+        for (int64_t v = 0; v < kVectors; ++v) acc[b][v] = at::vec::fmadd(qd, keys[v], acc[b][v]);
+      }
+    }
+    for (int64_t b = 0; b < block; ++b)
+      for (int64_t v = 0; v < kVectors; ++v) (acc[b][v] * Vec(scale)).store(scores + (r0 + b) * kKeyTile + v * kLanes);
+  }
+}
+
+// out_r = out_r * factors[r] + sum_j weights[r][j] * value_tile[j] for rows [0, rows), j in [0, n): one column
+// vector at a time, kRowBlock rows sharing each value vector loaded.
+inline void tile_accumulate(const float* weights, const float* factors, int64_t rows, const float* value_tile,
+                            int64_t n, int64_t length, float* out) {
+  constexpr int64_t kRowBlock = 4;
+  for (int64_t i = 0; i < length; i += kLanes) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, rows - r0);
+      Vec acc[kRowBlock];
+      for (int64_t b = 0; b < block; ++b) acc[b] = Vec::loadu(out + (r0 + b) * length + i) * Vec(factors[r0 + b]);
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec value = Vec::loadu(value_tile + j * length + i);
+        for (int64_t b = 0; b < block; ++b) {
+          acc[b] = at::vec::fmadd(Vec(weights[(r0 + b) * kKeyTile + j]), value, acc[b]);
+        }
+      }
+      for (int64_t b = 0; b < block; ++b) acc[b].store(out + (r0 + b) * length + i);
+    }
+  }
+}
+
+// Causal attention of positions [first, first + count) of one sequence (its tokens start at query row
+// `token`) over its context, for the `group` query heads of kv head `head`: flash attention over tiles of
+// kKeyTile keys with an online softmax per row (row = position x head of the group).
+template <typename CT>
+void prefill_tile(const Problem& p, const int32_t* blocks, int64_t head, int64_t token, int64_t first, int64_t count,
+                  Scratch& s) {
+  const int64_t rows = count * p.group, pvd = p.padded_value_dim;
+  s.key_tile.assign(p.padded_dim * kKeyTile, 0.f);  // transposed: [dim][key]
+  s.value_tile.assign(kKeyTile * pvd, 0.f);
+  s.key_row.assign(p.padded_dim, 0.f);
+  s.scores.assign(rows * kKeyTile, 0.f);
+  s.row_max.assign(rows, kNegInf);
+  s.row_sum.assign(rows, 0.f);
+  s.factors.assign(rows, 1.f);
+  s.accumulators.assign(rows * pvd, 0.f);
+  s.queries.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    s.queries[r] = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
+  }
+  const int64_t last = first + count - 1;
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
+  for (int64_t tile = start; tile <= last; tile += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, last + 1 - tile);
+    for (int64_t j = 0; j < n; ++j) {
+      read_row<CT>(p.keys, blocks, p.block_size, tile + j, head, p.head_dim, p.padded_dim, s.key_row.data());
+      for (int64_t d = 0; d < p.head_dim; ++d) s.key_tile[d * kKeyTile + j] = s.key_row[d];
+      read_row<CT>(p.values, blocks, p.block_size, tile + j, head, p.value_dim, pvd, s.value_tile.data() + j * pvd);
+    }
+    tile_scores(s.queries.data(), rows, s.key_tile.data(), p.head_dim, p.scale, s.scores.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      float* scores = s.scores.data() + r * kKeyTile;
+      const int64_t position = first + r / p.group;
+      const int64_t lowest = p.window > 0 ? position - p.window + 1 : 0;
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        if (j >= n || tile + j > position || tile + j < lowest) scores[j] = kNegInf;
+      }
+      const float tile_max = row_max(scores, kKeyTile);
+      if (tile_max == kNegInf) {  // nothing visible in this tile: weights 0, state unchanged
+        std::fill(scores, scores + kKeyTile, 0.f);
+        s.factors[r] = 1.f;
+        continue;
+      }
+      const float new_max = std::max(s.row_max[r], tile_max);
+      s.factors[r] = std::exp(s.row_max[r] - new_max);
+      s.row_sum[r] = s.row_sum[r] * s.factors[r] + exp_shift_sum(scores, kKeyTile, new_max);
+      s.row_max[r] = new_max;
+    }
+    tile_accumulate(s.scores.data(), s.factors.data(), rows, s.value_tile.data(), n, pvd, s.accumulators.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.output + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * pvd;
+    const Vec sum(s.row_sum[r]);
+    const float* o = s.accumulators.data() + r * pvd;
+    for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(o + i) / sum).store(out + i);
+  }
+}
+
+// ---- the schedule of one call ---------------------------------------------------------------------
+
+struct DecodeSeq {
+  int64_t seq, token, first_chunk, num_chunks, slot;  // slot: index of its first chunk's partial
+};
+
+enum class Kind { kPrefill, kChunk, kShared };
+
+struct Item {
+  Kind kind;
+  int64_t index;  // prefill: sequence; chunk: decode sequence; shared: shared chunk
+  int64_t value;  // prefill: first position; chunk: chunk number
+  int64_t head;
+};
+
+struct SharedChunk {
+  int64_t chunk;
+  std::vector<int64_t> members;  // decode sequences
+};
+
+struct Schedule {
+  std::vector<Item> items;
+  std::vector<DecodeSeq> decodes;
+  std::vector<SharedChunk> shared;
+  int64_t num_slots = 0;
+};
+
+int64_t chunk_tokens(int64_t block_size) { return round_up(std::max(kChunkTokens, block_size), block_size); }
+
+Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
+  Schedule schedule;
+  const int64_t chunk = chunk_tokens(p.block_size), blocks_per_chunk = chunk / p.block_size;
+  std::map<std::vector<int32_t>, std::vector<std::pair<int64_t, int64_t>>> full_chunks;  // blocks -> (decode, chunk)
+  std::vector<Item> prefill, single;
+  const int64_t rows_per_item = std::max<int64_t>(1, kPrefillRows / p.group);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
+    if (q_len == 0) continue;
+    if (q_len > 1) {
+      for (int64_t i = 0; i < q_len; i += rows_per_item) {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h) prefill.push_back({Kind::kPrefill, b, seq_len - q_len + i, h});
+      }
+      continue;
+    }
+    const int64_t position = seq_len - 1;
+    const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+    DecodeSeq decode{b, starts[b], lowest / chunk, position / chunk - lowest / chunk + 1, schedule.num_slots};
+    schedule.num_slots += decode.num_chunks;
+    const int64_t d = static_cast<int64_t>(schedule.decodes.size());
+    for (int64_t c = decode.first_chunk; c < decode.first_chunk + decode.num_chunks; ++c) {
+      if (c * chunk >= lowest && (c + 1) * chunk <= seq_len) {
+        const int32_t* row = p.block_tables + b * p.table_stride + c * blocks_per_chunk;
+        full_chunks[std::vector<int32_t>(row, row + blocks_per_chunk)].emplace_back(d, c);
+      } else {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, d, c, h});
+      }
+    }
+    schedule.decodes.push_back(decode);
+  }
+  std::vector<Item> shared;
+  for (auto& [blocks, users] : full_chunks) {
+    if (users.size() == 1) {
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, users[0].first, users[0].second, h});
+      continue;
+    }
+    SharedChunk group{users[0].second, {}};
+    for (auto& [d, c] : users) group.members.push_back(d);
+    // A block sits at one table position in every sequence (its hash covers its prefix), so c agrees; the
+    // partial does not depend on it anyway: a full chunk has no mask.
+    const int64_t index = static_cast<int64_t>(schedule.shared.size());
+    schedule.shared.push_back(std::move(group));
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) shared.push_back({Kind::kShared, index, 0, h});
+  }
+  // Largest items first, so that the last ones to finish are small: prefill tiles by how many keys they
+  // attend (their last position), then shared chunks, then chunks of one sequence.
+  std::stable_sort(prefill.begin(), prefill.end(), [](const Item& a, const Item& b) { return a.value > b.value; });
+  for (auto* part : {&prefill, &shared, &single}) schedule.items.insert(schedule.items.end(), part->begin(), part->end());
+  return schedule;
+}
+
+struct Partials {
+  float* data;
+  int64_t record_size, num_kv_heads, group;
+  float* record(int64_t slot, int64_t head, int64_t g) const {
+    return data + ((slot * num_kv_heads + head) * group + g) * record_size;
+  }
+};
+
+template <typename CT>
+void run_item(const Problem& p, const Schedule& schedule, const Partials& partials, const int32_t* seq_lens,
+              const int32_t* starts, const Item& item, Scratch& s) {
+  const int64_t chunk = chunk_tokens(p.block_size);
+  if (item.kind == Kind::kPrefill) {
+    s.finished.clear();
+    const int64_t b = item.index, q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
+    const int64_t offset = item.value - (seq_len - q_len);
+    const int64_t count = std::min(std::max<int64_t>(1, kPrefillRows / p.group), q_len - offset);
+    prefill_tile<CT>(p, p.block_tables + b * p.table_stride, item.head, starts[b] + offset, item.value, count, s);
+    return;
+  }
+  s.queries.clear();
+  s.records.clear();
+  auto add_queries = [&](int64_t d, int64_t c) {
+    const DecodeSeq& decode = schedule.decodes[d];
+    for (int64_t g = 0; g < p.group; ++g) {
+      s.queries.push_back(p.query + (decode.token * p.num_heads + item.head * p.group + g) * p.padded_dim);
+      s.records.push_back(partials.record(decode.slot + c - decode.first_chunk, item.head, g));
+    }
+  };
+  int64_t seq, c;
+  s.finished.clear();
+  if (item.kind == Kind::kChunk) {
+    seq = schedule.decodes[item.index].seq;
+    c = item.value;
+    add_queries(item.index, c);
+    s.finished.push_back(item.index);
+  } else {
+    const SharedChunk& group = schedule.shared[item.index];
+    seq = schedule.decodes[group.members[0]].seq;
+    c = group.chunk;
+    for (int64_t d : group.members) add_queries(d, c);
+    s.finished = group.members;
+  }
+  const int64_t position = seq_lens[seq] - 1;
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+  const int64_t begin = std::max(c * chunk, lowest), end = std::min((c + 1) * chunk, position + 1);
+  chunk_partials<CT>(p, p.block_tables + seq * p.table_stride, item.head, begin, end, s.queries.data(),
+                     s.records.data(), static_cast<int64_t>(s.queries.size()), s);
+}
+
+// Merge one decode sequence's chunk partials of one kv head, in chunk order: softmax over the union of the
+// chunks. `acc` is scratch of padded_value_dim floats.
+void merge_decode(const Problem& p, const DecodeSeq& decode, int64_t head, const Partials& partials, float* acc) {
+  const int64_t pvd = p.padded_value_dim;
+  for (int64_t g = 0; g < p.group; ++g) {
+    float best = kNegInf;
+    for (int64_t c = 0; c < decode.num_chunks; ++c) best = std::max(best, partials.record(decode.slot + c, head, g)[pvd]);
+    float total = 0.f;
+    std::fill(acc, acc + pvd, 0.f);
+    for (int64_t c = 0; c < decode.num_chunks; ++c) {
+      const float* record = partials.record(decode.slot + c, head, g);
+      const float weight = std::exp(record[pvd] - best);
+      total += weight * record[pvd + 1];
+      axpy(weight, record, acc, pvd);
+    }
+    float* out = p.output + (decode.token * p.num_heads + head * p.group + g) * pvd;
+    const Vec sum(total);
+    for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(acc + i) / sum).store(out + i);
+  }
+}
+
+// All work items in one parallel region: the thread that writes the last chunk partial of a (decode
+// sequence, kv head) merges them (the counter's acquire-release orders the other threads' writes before it).
+template <typename CT>
+void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
+  const Schedule schedule = plan(p, seq_lens, starts, batch);
+  const int64_t record_size = p.record_size();
+  std::vector<float> storage(schedule.num_slots * p.num_kv_heads * p.group * record_size);
+  const Partials partials{storage.data(), record_size, p.num_kv_heads, p.group};
+  std::vector<std::atomic<int32_t>> remaining(schedule.decodes.size() * p.num_kv_heads);
+  for (size_t index = 0; index < remaining.size(); ++index) {
+    remaining[index].store(static_cast<int32_t>(schedule.decodes[index / p.num_kv_heads].num_chunks),
+                           std::memory_order_relaxed);
+  }
+  for_each_item<Scratch>(static_cast<int64_t>(schedule.items.size()), [&](int64_t index, Scratch& scratch) {
+    const Item& item = schedule.items[index];
+    run_item<CT>(p, schedule, partials, seq_lens, starts, item, scratch);
+    for (int64_t d : scratch.finished) {
+      if (remaining[d * p.num_kv_heads + item.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        scratch.merged.resize(p.padded_value_dim);
+        merge_decode(p, schedule.decodes[d], item.head, partials, scratch.merged.data());
+      }
+    }
+  });
+}
+
+// ---- cache write ------------------------------------------------------------------------------------
+
+// dst[0:n] = round(src / scale) in the cache type; returns the scale: max|x| / 127 (int8) or / 448 (fp8), 1 for 0.
+template <typename CT>
+float quantize_row(const float* src, int64_t n, CT* dst) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(src[i]));
+  constexpr float kMax = std::is_same_v<CT, int8_t> ? 127.f : 448.f;
+  const float scale = amax == 0.f ? 1.f : amax / kMax;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = src[i] / scale;
+    if constexpr (std::is_same_v<CT, int8_t>) {
+      dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x))));
+    } else {
+      dst[i] = static_cast<CT>(x);
+    }
+  }
+  return scale;
+}
+
+// rows [T, Hkv, dim] -> pool slots `slots` (negative slots skipped); rows are float unless `same_type`.
+template <typename CT>
+void write_pool(const at::Tensor& rows, const Pool& pool, const int64_t* slots, int64_t block_size, bool same_type) {
+  const int64_t num_tokens = rows.size(0), num_heads = rows.size(1), dim = rows.size(2);
+  // Rows are small: a decode step (a few hundred rows) writes on one thread, without a parallel region.
+  at::parallel_for(0, num_tokens * num_heads, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t t = index / num_heads, h = index % num_heads, slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      CT* dst = static_cast<CT*>(pool.data) + block * pool.block_stride + offset * pool.token_stride +
+                h * pool.head_stride;
+      const int64_t source = t * rows.stride(0) + h * rows.stride(1);
+      if (same_type) {
+        std::memcpy(dst, static_cast<const CT*>(rows.const_data_ptr()) + source, dim * sizeof(CT));
+        continue;
+      }
+      const float* src = rows.const_data_ptr<float>() + source;
+      if constexpr (kQuantized<CT>) {
+        pool.scales[block * pool.scale_block_stride + offset * pool.scale_token_stride + h * pool.scale_head_stride] =
+            quantize_row(src, dim, dst);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<CT>(src[i]);
+      }
+    }
+  });
+}
+
+// ---- argument checks ----------------------------------------------------------------------------------
+
+Pool make_pool(const at::Tensor& cache, const std::optional<at::Tensor>& scales, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, "paged_attention: ", name, " must be [num_blocks, block_size, kv_heads, head_dim], got ",
+              cache.sizes());
+  TORCH_CHECK(cache.stride(3) == 1, "paged_attention: ", name, "'s last dim must be contiguous");
+  Pool pool{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+  const bool quantized = cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (!quantized) {
+    TORCH_CHECK(!scales.has_value(), "paged_attention: ", name, " is ", cache.scalar_type(),
+                ": scale caches are only for int8 and float8_e4m3fn caches");
+    return pool;
+  }
+  TORCH_CHECK(scales.has_value(), "paged_attention: an ", cache.scalar_type(), " ", name,
+              " needs its scale cache (float32 [num_blocks, block_size, kv_heads])");
+  const at::Tensor& s = *scales;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == cache.size(0) &&
+                  s.size(1) == cache.size(1) && s.size(2) == cache.size(2),
+              "paged_attention: the scale cache of ", name, " must be float32 ", cache.sizes().slice(0, 3), ", got ",
+              s.scalar_type(), " ", s.sizes());
+  pool.scales = s.data_ptr<float>();
+  pool.scale_block_stride = s.stride(0);
+  pool.scale_token_stride = s.stride(1);
+  pool.scale_head_stride = s.stride(2);
+  return pool;
+}
+
+void check_tables(const int32_t* seq_lens, const int32_t* starts, const int32_t* tables, int64_t batch,
+                  int64_t table_stride, int64_t max_blocks, int64_t block_size, int64_t num_blocks, int64_t num_tokens) {
+  TORCH_CHECK(starts[0] >= 0 && starts[batch] <= num_tokens, "paged_attention: query_start_loc spans [", starts[0],
+              ", ", starts[batch], ") but there are ", num_tokens, " tokens");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
+    TORCH_CHECK(q_len >= 0, "paged_attention: query_start_loc decreases at sequence ", b);
+    if (q_len == 0) continue;
+    TORCH_CHECK(seq_len >= q_len, "paged_attention: sequence ", b, " has ", q_len, " query tokens but seq_len ",
+                seq_len);
+    const int64_t needed = (seq_len + block_size - 1) / block_size;
+    TORCH_CHECK(needed <= max_blocks, "paged_attention: sequence ", b, " needs ", needed,
+                " blocks but block_tables has ", max_blocks, " columns");
+    for (int64_t i = 0; i < needed; ++i) {
+      const int64_t block = tables[b * table_stride + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_attention: block_tables[", b, ", ", i, "] = ", block,
+                  " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+template <typename F>
+void dispatch_cache_type(at::ScalarType type, const F& body) {
+  switch (type) {
+    case at::kFloat: return body(float{});
+    case at::kBFloat16: return body(c10::BFloat16{});
+    case at::kHalf: return body(c10::Half{});
+    case at::kChar: return body(int8_t{});
+    case at::kFloat8_e4m3fn: return body(c10::Float8_e4m3fn{});
+    default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", type);
+  }
+}
+
+at::Tensor padded_float(const at::Tensor& t, int64_t padded) {
+  if (t.scalar_type() == at::kFloat && t.size(-1) == padded && t.is_contiguous()) return t;
+  at::Tensor result = at::zeros({t.size(0), t.size(1), padded}, t.options().dtype(at::kFloat));
+  result.narrow(2, 0, t.size(2)).copy_(t);
+  return result;
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping_in,
+                           const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                           const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& key_scale_cache,
+                           const std::optional<at::Tensor>& value_scale_cache) {
+  TORCH_CHECK(query.device().is_cpu(), "octavo_cpu::paged_attention runs on CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
+              "paged_attention: query, key and value must be [tokens, heads, head_dim]");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key.size(1), value_dim = value.size(2);
+  TORCH_CHECK(key.size(0) == num_tokens && value.size(0) == num_tokens && value.size(1) == num_kv_heads &&
+                  key.size(2) == head_dim,
+              "paged_attention: key ", key.sizes(), " and value ", value.sizes(), " do not fit query ", query.sizes());
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: ", num_heads,
+              " query heads are not a multiple of ", num_kv_heads, " kv heads");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                  query.scalar_type() == at::kHalf,
+              "paged_attention: query dtype ", query.scalar_type(), " is not float32, bfloat16 or float16");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "paged_attention: key cache ",
+              key_cache.scalar_type(), " and value cache ", value_cache.scalar_type(), " differ in dtype");
+  Pool keys = make_pool(key_cache, key_scale_cache, "key_cache");
+  Pool values = make_pool(value_cache, value_scale_cache, "value_cache");
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  TORCH_CHECK(value_cache.size(0) == num_blocks && value_cache.size(1) == block_size &&
+                  key_cache.size(2) == num_kv_heads && value_cache.size(2) == num_kv_heads &&
+                  key_cache.size(3) == head_dim && value_cache.size(3) == value_dim,
+              "paged_attention: caches ", key_cache.sizes(), " / ", value_cache.sizes(), " do not fit key ",
+              key.sizes(), " / value ", value.sizes());
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
+  const at::Tensor starts = query_start_loc_in.to(at::kInt).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == num_tokens, "paged_attention: slot_mapping must be [", num_tokens,
+              "], got ", slots.sizes());
+  TORCH_CHECK(tables.dim() == 2 && seq_lens.dim() == 1 && tables.size(0) == seq_lens.size(0) &&
+                  starts.dim() == 1 && starts.size(0) == seq_lens.size(0) + 1,
+              "paged_attention: block_tables ", tables.sizes(), ", seq_lens ", seq_lens.sizes(),
+              " and query_start_loc ", starts.sizes(), " disagree on the batch size");
+  const int64_t batch = seq_lens.size(0);
+  const int64_t* slot_data = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slot_data[t] < num_blocks * block_size, "paged_attention: slot_mapping[", t, "] = ", slot_data[t],
+                " is outside the cache's ", num_blocks * block_size, " slots");
+  }
+  check_tables(seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(), tables.const_data_ptr<int32_t>(),
+               batch, tables.stride(0), tables.size(1), block_size, num_blocks, num_tokens);
+
+  // 1. The cache write.
+  const bool quantized = key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
+    using CT = decltype(tag);
+    for (auto [rows, pool] : {std::pair{&key, &keys}, std::pair{&value, &values}}) {
+      const bool same_type = !quantized && rows->scalar_type() == key_cache.scalar_type();
+      const at::Tensor source = (same_type ? *rows : rows->to(at::kFloat)).contiguous();
+      write_pool<CT>(source, *pool, slot_data, block_size, same_type);
+    }
+  });
+
+  // 2. Attention, into a float buffer with rows padded to whole vectors.
+  const int64_t padded_dim = round_up(head_dim, kLanes), padded_value_dim = round_up(value_dim, kLanes);
+  const at::Tensor query_f = padded_float(query, padded_dim);
+  at::Tensor output_f = at::empty({num_tokens, num_heads, padded_value_dim}, query.options().dtype(at::kFloat));
+  const int64_t used = starts.const_data_ptr<int32_t>()[batch];
+  if (used < num_tokens) output_f.narrow(0, used, num_tokens - used).zero_();
+  Problem problem{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, value_dim, padded_dim, padded_value_dim,
+                  block_size, static_cast<float>(scale), sliding_window, tables.const_data_ptr<int32_t>(),
+                  tables.stride(0), query_f.const_data_ptr<float>(), output_f.data_ptr<float>(), keys, values};
+  dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
+    attend<decltype(tag)>(problem, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(), batch);
+  });
+  if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
+  return output_f.narrow(2, 0, value_dim).to(query.scalar_type());
+}
+
+// How paged_attention would split a batch into work items: {prefill tiles, shared (cascade) chunks, chunks
+// of one sequence, decode sequences}, each item counted once per kv head. For tests and diagnostics.
+std::vector<int64_t> paged_attention_schedule(const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                                              const at::Tensor& query_start_loc_in, int64_t block_size,
+                                              int64_t num_kv_heads, int64_t group, int64_t sliding_window) {
+  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
+  const at::Tensor starts = query_start_loc_in.to(at::kInt).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && seq_lens.dim() == 1 && starts.size(0) == seq_lens.size(0) + 1,
+              "paged_attention_schedule: inconsistent batch shapes");
+  Problem p{};
+  p.num_kv_heads = num_kv_heads;
+  p.group = group;
+  p.block_size = block_size;
+  p.window = sliding_window;
+  p.block_tables = tables.const_data_ptr<int32_t>();
+  p.table_stride = tables.stride(0);
+  const Schedule schedule = plan(p, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(),
+                                 seq_lens.size(0));
+  std::vector<int64_t> counts{0, 0, 0, static_cast<int64_t>(schedule.decodes.size())};
+  for (const Item& item : schedule.items) ++counts[static_cast<int>(item.kind)];
+  std::swap(counts[1], counts[2]);  // Kind order is prefill, chunk, shared
+  return counts;
+}
+
+}  // namespace
+
+// The vector ISA this library was compiled for (CPU_CAPABILITY) and its vector width in floats.
+std::string build_info() {
+  return std::string(C10_STRINGIZE(CPU_CAPABILITY)) + " " + std::to_string(kLanes) + " float lanes";
+}
+
+}  // namespace octavo_cpu
+
+TORCH_LIBRARY(octavo_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "SymInt sliding_window=-1, Tensor(c!)? key_scale_cache=None, Tensor(d!)? value_scale_cache=None) -> Tensor");
+  m.def("linear_w16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("build_info() -> str", &octavo_cpu::build_info);
+  m.def(
+      "paged_attention_schedule(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, "
+      "int num_kv_heads, int num_queries_per_kv, int sliding_window=-1) -> int[]");
+}
+
+TORCH_LIBRARY_IMPL(octavo_cpu, CPU, m) {
+  m.impl("paged_attention", &octavo_cpu::paged_attention);
+  m.impl("paged_attention_schedule", &octavo_cpu::paged_attention_schedule);
+}

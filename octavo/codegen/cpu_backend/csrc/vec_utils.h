@@ -1,0 +1,290 @@
+// Vector helpers shared by the Octavo CPU kernels: float vectors (ATen's at::vec, which follows the
+// CPU_CAPABILITY_* macro the build defines), widening loads from every cache/weight element type, and
+// a scheduler that hands work items to threads one at a time.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace octavo_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// ---- widening loads: n elements of T -> n floats -------------------------------------------------
+
+// The float value of every float8_e4m3fn bit pattern (x86 has no instruction for it).
+inline const float* fp8_e4m3fn_table() {
+  static const float* table = [] {
+    static float values[256];
+    for (int bits = 0; bits < 256; ++bits) {
+      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    }
+    return values;
+  }();
+  return table;
+}
+
+template <typename T>
+inline void widen(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<float>(const float* src, int64_t n, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::Half>(const c10::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<int8_t>(const int8_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(wide));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(wide));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, int64_t n, float* dst) {
+  const float* table = fp8_e4m3fn_table();
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[src[i].x];
+}
+
+// One vector (kLanes elements) of 16-bit floats widened to float, in registers.
+inline Vec load_widened(const c10::BFloat16* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
+inline Vec load_widened(const c10::Half* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
+// ---- float vector arithmetic over padded rows (lengths are multiples of kLanes) ------------------
+
+// Horizontal sum / max of one vector (the generic Vectorized<float>::reduce_add does not compile in
+// torch's DEFAULT headers, so the portable build sums lane by lane in a fixed order).
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  float total = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) total += lanes[i];
+  return total;
+#endif
+}
+
+inline float hmax(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  float best = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, lanes[i]);
+  return best;
+#endif
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), acc1);
+  }
+  if (i < n) acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+  return hsum(acc0 + acc1);
+}
+
+// acc[0:n] += weight * row[0:n]
+inline void axpy(float weight, const float* row, float* acc, int64_t n) {
+  const Vec w(weight);
+  for (int64_t i = 0; i < n; i += kLanes) at::vec::fmadd(w, Vec::loadu(row + i), Vec::loadu(acc + i)).store(acc + i);
+}
+
+// scores[j] = (q . rows[j]) * scale for j in [0, n), rows of NV vectors, with q held in registers.
+template <int NV>
+inline void score_rows_fixed(const float* q, const float* const* rows, int64_t n, float scale, float* scores) {
+  Vec qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(q + v * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec acc = qv[0] * Vec::loadu(rows[j]);
+    for (int v = 1; v < NV; ++v) acc = at::vec::fmadd(qv[v], Vec::loadu(rows[j] + v * kLanes), acc);
+    scores[j] = hsum(acc) * scale;
+  }
+}
+
+// score_rows_fixed for any row length (a multiple of kLanes).
+inline void score_rows(const float* q, const float* const* rows, int64_t n, float scale, float* scores,
+                       int64_t length) {
+  switch (length / kLanes) {
+    case 1: return score_rows_fixed<1>(q, rows, n, scale, scores);
+    case 2: return score_rows_fixed<2>(q, rows, n, scale, scores);
+    case 4: return score_rows_fixed<4>(q, rows, n, scale, scores);
+    case 6: return score_rows_fixed<6>(q, rows, n, scale, scores);
+    case 8: return score_rows_fixed<8>(q, rows, n, scale, scores);
+    case 16: return score_rows_fixed<16>(q, rows, n, scale, scores);
+    default: break;
+  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, rows[j], length) * scale;
+}
+
+// out[0:NV * kLanes] = out * factor + sum_j weights[j] * rows[j][0:NV * kLanes], j in [0, n) in order, with the
+// accumulators in registers (one load of each row, no load/store of out per row).
+template <int NV>
+inline void accumulate_rows(float factor, const float* weights, const float* const* rows, int64_t n, float* out) {
+  Vec acc[NV];
+  const Vec f(factor);
+  for (int v = 0; v < NV; ++v) acc[v] = Vec::loadu(out + v * kLanes) * f;
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec w(weights[j]);
+    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(w, Vec::loadu(rows[j] + v * kLanes), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) acc[v].store(out + v * kLanes);
+}
+
+// accumulate_rows for any row length (a multiple of kLanes): register-held up to 16 vectors, else in memory.
+inline void accumulate(float factor, const float* weights, const float* const* rows, int64_t n, float* out,
+                       int64_t length) {
+  switch (length / kLanes) {
+    case 1: return accumulate_rows<1>(factor, weights, rows, n, out);
+    case 2: return accumulate_rows<2>(factor, weights, rows, n, out);
+    case 4: return accumulate_rows<4>(factor, weights, rows, n, out);
+    case 6: return accumulate_rows<6>(factor, weights, rows, n, out);
+    case 8: return accumulate_rows<8>(factor, weights, rows, n, out);
+    case 16: return accumulate_rows<16>(factor, weights, rows, n, out);
+    default: break;
+  }
+  for (int64_t i = 0; i < length; i += kLanes) {
+    Vec acc = Vec::loadu(out + i) * Vec(factor);
+    for (int64_t j = 0; j < n; ++j) acc = at::vec::fmadd(Vec(weights[j]), Vec::loadu(rows[j] + i), acc);
+    acc.store(out + i);
+  }
+}
+
+inline void scale_row(float factor, float* row, int64_t n) {
+  const Vec f(factor);
+  for (int64_t i = 0; i < n; i += kLanes) (Vec::loadu(row + i) * f).store(row + i);
+}
+
+// max over row[0:n] (any n).
+inline float row_max(const float* row, int64_t n) {
+  Vec best(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) best = at::vec::maximum(best, Vec::loadu(row + i));
+  float result = hmax(best);
+  for (; i < n; ++i) result = std::max(result, row[i]);
+  return result;
+}
+
+// row[i] = exp(row[i] - shift) for i < n; returns the sum of the new values (any n).
+inline float exp_shift_sum(float* row, int64_t n, float shift) {
+  const Vec s(shift);
+  Vec total(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec e = (Vec::loadu(row + i) - s).exp();
+    e.store(row + i);
+    total = total + e;
+  }
+  if (i < n) {
+    // The tail runs through the same vector exp as the body, so a value's result never depends on its lane.
+    Vec e = (Vec::loadu(row + i, n - i) - s).exp();
+    e.store(row + i, n - i);
+    __at_align__ float tail[kLanes] = {};
+    e.store(tail, n - i);
+    total = total + Vec::loadu(tail);
+  }
+  return hsum(total);
+}
+
+// ---- dynamic scheduling ---------------------------------------------------------------------------
+
+// Runs body(item, thread_state) for item in [0, count) on at::parallel_for's threads, each thread taking
+// the next unclaimed item: work items of unequal cost (prefill tiles, shared chunks) balance themselves.
+template <typename State, typename Body>
+void for_each_item(int64_t count, const Body& body) {
+  if (count == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      State state;
+      for (int64_t item = next.fetch_add(1); item < count; item = next.fetch_add(1)) body(item, state);
+    }
+  });
+}
+
+}  // namespace octavo_cpu

@@ -1,0 +1,25 @@
+"""Fake (meta) implementations of the octavo_cpu ops, so torch.compile treats them as opaque kernels."""
+
+from __future__ import annotations
+
+import torch
+
+_registered = False
+
+
+def register_fake_kernels() -> None:
+    """Register the output shapes of every octavo_cpu op with torch.library (once per process)."""
+    global _registered
+    if _registered:
+        return
+
+    @torch.library.register_fake("octavo_cpu::paged_attention")
+    def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+          sliding_window=-1, key_scale_cache=None, value_scale_cache=None):
+        return query.new_empty(query.shape[:-1] + value.shape[-1:])
+
+    @torch.library.register_fake("octavo_cpu::linear_w16")
+    def _(input, weight, bias=None):
+        return input.new_empty(input.shape[:-1] + weight.shape[:1], dtype=torch.float32)
+
+    _registered = True

@@ -1,0 +1,31 @@
+"""KERNELS of the cpu backend: octavo op overload -> kernel (loads, or first builds, the C++ library)."""
+
+from __future__ import annotations
+
+import torch
+
+from octavo.codegen.cpu_backend.build import load_cpu_kernels
+
+
+def build_kernel_table() -> dict:
+    """The torch backend's table with the ops that have a C++ kernel pointed at it."""
+    load_cpu_kernels()
+    from octavo.codegen.torch_backend import KERNELS as TORCH_KERNELS
+
+    octavo, native = torch.ops.octavo, torch.ops.octavo_cpu
+    return {
+        **TORCH_KERNELS,
+        octavo.paged_attention.default: native.paged_attention.default,
+        octavo.linear_w16.default: native.linear_w16.default,
+    }
+
+
+def cpu_backend_problem() -> str | None:
+    """None when the cpu backend can run here, else what stands in the way (no compiler, build failure...)."""
+    from octavo.codegen.cpu_backend.build import CpuKernelsUnavailableError
+
+    try:
+        load_cpu_kernels()
+    except CpuKernelsUnavailableError as error:
+        return str(error)
+    return None
