@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(octavo.__file__).resolve().parent
 # Top-level modules with no octavo imports but each other: anyone may import them. The package's version
 # string is one too: `from octavo import __version__` reads a constant of the package root, which Python
 # has imported before any of its modules anyway.
-LEAVES = {"octavo.config", "octavo.errors", "octavo.__version__"}
+LEAVES = {"octavo.config", "octavo.errors", "octavo.cache_dir", "octavo.__version__"}
 # Modules that tie the layers together (anything but serve, commands and cli, unless they are one themselves).
 TIES = {"octavo", "octavo.compiler", "octavo.compile_cache", "octavo.llm", "octavo.bench", "octavo.eval",
         "octavo.commands", "octavo.cli"}

@@ -55,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
                            kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
                            vocab_quant=args.vocab_quant)
     config = resolve_precision(config)
-    if config.dtype_choice:
-        error_console.print(f"dtype {config.dtype_choice}", markup=False)
     start = time.perf_counter()
     with console.status("loading model") as status:
         path = compile_model(args.model, args.output, config, overwrite=args.overwrite,
@@ -66,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         error_console.print(f"stopped after {args.stop_after} in {elapsed:.1f}s; no artifact written")
     else:
         console.print(f"compiled {args.model} -> {path} in {elapsed:.1f}s")
+        if config.dtype_choice:  # after the compile, so that bad input stays one error line
+            console.print(f"dtype {config.dtype_choice}", markup=False)
     return 0
 
 
