@@ -1,0 +1,46 @@
+"""Acceptance-rate estimates: per sequence, shrunk towards the proposer's overall rate.
+
+A proposal's acceptance given that the earlier ones were accepted is modelled as one rate a per
+sequence. Each verification with k proposals and m accepted is m successes and, when m < k, one
+failure. A sequence's estimate is (successes + W * global) / (trials + W): a new sequence starts at the
+global rate and its own history takes over after a few steps. The global rate forgets old
+verifications (recent requests matter most).
+"""
+
+from __future__ import annotations
+
+from octavo.runtime.sequence import Sequence
+
+PRIOR_WEIGHT = 4.0
+GLOBAL_DECAY = 0.995
+INITIAL_RATE = 0.5
+
+
+class AcceptanceTracker:
+    def __init__(self) -> None:
+        self.successes = INITIAL_RATE * PRIOR_WEIGHT
+        self.trials = PRIOR_WEIGHT
+        self.per_sequence: dict[Sequence, list[float]] = {}
+
+    @property
+    def global_rate(self) -> float:
+        return self.successes / self.trials
+
+    def estimate(self, seq: Sequence) -> float:
+        successes, trials = self.per_sequence.get(seq, (0.0, 0.0))
+        return (successes + PRIOR_WEIGHT * self.global_rate) / (trials + PRIOR_WEIGHT)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        trials = accepted + (1 if accepted < proposed else 0)
+        counts = self.per_sequence.setdefault(seq, [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += trials
+        self.successes = self.successes * GLOBAL_DECAY ** trials + accepted
+        self.trials = self.trials * GLOBAL_DECAY ** trials + trials
+
+    def forget(self, seq: Sequence) -> None:
+        self.per_sequence.pop(seq, None)
+
+    def forget_all_but(self, running: set[Sequence]) -> None:
+        for seq in [seq for seq in self.per_sequence if seq not in running and seq.is_finished]:
+            del self.per_sequence[seq]

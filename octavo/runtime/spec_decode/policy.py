@@ -1,0 +1,89 @@
+"""How many tokens to propose for each sequence this step: the plan that maximizes expected tokens per second.
+
+Each speculating sequence i has an estimated acceptance rate a_i (the chance that a proposal is
+accepted given that the ones before it were). With k_i proposals its expected emitted tokens are
+1 + a_i + ... + a_i^k_i. The step's cost comes from the measured cost models (target step, and draft
+model steps for a draft proposer). A proposal is worth its verification only when its expected
+tokens exceed what the same time buys without it: proposal j of sequence i is kept if
+a_i^j >= (marginal seconds of one more query token) x (tokens per second of the step without
+speculation), the first proposal also paying the per-sequence cost of multi-token attention. Among
+the maximum depths K = 0..k the one with the highest expected tokens per second wins. At batch 1 on a
+CPU a step costs about the same for 1 or k + 1 tokens (the weights are read once), so speculation
+pays even for modest acceptance rates; in a large batch the step is compute bound, the threshold
+rises above every a_i, and speculation turns off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.runtime.spec_decode.cost_model import StepCostModel
+
+
+@dataclass
+class Candidate:
+    """A sequence that may speculate: its acceptance estimate and how many tokens it may propose."""
+
+    acceptance: float
+    max_tokens: int
+
+
+@dataclass
+class StepShape:
+    """The rest of the step, as the scheduler will run it: query tokens, multi-token sequences and
+    tokens it emits (decodes and prefills that finish their prompt)."""
+
+    tokens: int
+    multi: int
+    emitted: int
+
+
+class SpeculationPolicy:
+    """Chooses the number of proposals per candidate (see the module docstring)."""
+
+    def __init__(self, max_tokens: int, adaptive: bool, target_cost: StepCostModel,
+                 draft_cost: StepCostModel | None = None):
+        self.max_tokens = max_tokens
+        self.adaptive = adaptive
+        self.target_cost = target_cost
+        self.draft_cost = draft_cost
+
+    def plan(self, candidates: list[Candidate], rest: StepShape) -> list[int]:
+        if not self.adaptive:
+            return [min(self.max_tokens, candidate.max_tokens) for candidate in candidates]
+        base_tokens = rest.tokens + len(candidates)
+        base_rate = (rest.emitted + len(candidates)) / self.target_cost.predict(base_tokens, rest.multi)
+        _, token_cost, multi_cost = self.target_cost.coefficients
+        caps = [self._worth(candidate, base_rate, token_cost, multi_cost) for candidate in candidates]
+        best_depth, best_rate = 0, base_rate
+        for depth in range(1, max(caps, default=0) + 1):
+            rate = self._rate([min(depth, cap) for cap in caps], candidates, rest)
+            if rate > best_rate:
+                best_depth, best_rate = depth, rate
+        return [min(best_depth, cap) for cap in caps]
+
+    def _worth(self, candidate: Candidate, base_rate: float, token_cost: float, multi_cost: float) -> int:
+        """How many proposals of this sequence pay for their own verification."""
+        count = 0
+        value = 1.0
+        while count < min(self.max_tokens, candidate.max_tokens):
+            value *= candidate.acceptance
+            cost = token_cost + (multi_cost if count == 0 else 0.0)
+            if value < cost * base_rate:
+                break
+            count += 1
+        return count
+
+    def _rate(self, counts: list[int], candidates: list[Candidate], rest: StepShape) -> float:
+        emitted = rest.emitted + sum(expected_tokens(c.acceptance, k) for c, k in zip(candidates, counts, strict=True))
+        speculating = sum(1 for k in counts if k)
+        seconds = self.target_cost.predict(rest.tokens + len(candidates) + sum(counts), rest.multi + speculating)
+        if self.draft_cost is not None and speculating:
+            # One draft step per proposed position, each over the speculating sequences.
+            seconds += max(counts) * self.draft_cost.predict(speculating, 0)
+        return emitted / seconds
+
+
+def expected_tokens(acceptance: float, num_proposals: int) -> float:
+    """1 + a + ... + a^k: expected tokens emitted by one sequence verifying k proposals."""
+    return sum(acceptance ** j for j in range(num_proposals + 1))
