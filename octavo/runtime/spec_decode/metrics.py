@@ -58,6 +58,18 @@ class SpecDecodeMetrics:
         """Estimated plain time / measured time of the same tokens (1.0 before any measurement)."""
         return self.estimated_plain_seconds / self.speculative_seconds if self.speculative_seconds else 1.0
 
+    def since(self, earlier: SpecDecodeMetrics) -> SpecDecodeMetrics:
+        """The counts accumulated after the snapshot `earlier` (e.g. a benchmark without its warm-up)."""
+        def minus(now: list[int], before: list[int]) -> list[int]:
+            return [value - (before[index] if index < len(before) else 0) for index, value in enumerate(now)]
+
+        counts = {name: getattr(self, name) - getattr(earlier, name) for name in (
+            "num_verify_steps", "num_verifications", "proposed_tokens", "accepted_tokens", "emitted_tokens",
+            "speculative_seconds", "estimated_plain_seconds", "draft_seconds")}
+        return SpecDecodeMetrics(self.proposer, self.max_proposed, **counts,
+                                 proposed_per_position=minus(self.proposed_per_position, earlier.proposed_per_position),
+                                 accepted_per_position=minus(self.accepted_per_position, earlier.accepted_per_position))
+
     def record(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         """One sequence's verification in one step."""
         while len(self.proposed_per_position) < num_proposed:
