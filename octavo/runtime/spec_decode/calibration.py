@@ -32,7 +32,7 @@ def calibrate(cost: StepCostModel, executor: GraphExecutor, kv_tensors: dict[str
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
-        cost.observe(num_seqs * query_len, num_seqs if query_len > 1 else 0, min(seconds[1:]))
+        cost.calibrate(num_seqs * query_len, num_seqs if query_len > 1 else 0, min(seconds[1:]))
 
 
 def calibration_shapes(max_proposed: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
