@@ -3,8 +3,10 @@
 A proposal's acceptance given that the earlier ones were accepted is modelled as one rate a per
 sequence. Each verification with k proposals and m accepted is m successes and, when m < k, one
 failure. A sequence's estimate is (successes + W * global) / (trials + W): a new sequence starts at the
-global rate and its own history takes over after a few steps. The global rate forgets old
-verifications (recent requests matter most).
+global rate and its own history takes over after a few steps. Its history fades a little at every
+step it does not verify, so a sequence the policy stopped speculating for tries again now and then
+(text that could not be predicted may be followed by text that can). The global rate forgets old
+verifications too (recent requests matter most).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from octavo.runtime.sequence import Sequence
 
 PRIOR_WEIGHT = 4.0
 GLOBAL_DECAY = 0.995
+IDLE_DECAY = 0.9
+"""Per step without verification, a sequence's counts shrink by this factor."""
+
 INITIAL_RATE = 0.5
 
 
@@ -37,6 +42,13 @@ class AcceptanceTracker:
         counts[1] += trials
         self.successes = self.successes * GLOBAL_DECAY ** trials + accepted
         self.trials = self.trials * GLOBAL_DECAY ** trials + trials
+
+    def idle(self, seq: Sequence) -> None:
+        """`seq` could have speculated this step but did not verify anything."""
+        counts = self.per_sequence.get(seq)
+        if counts is not None:
+            counts[0] *= IDLE_DECAY
+            counts[1] *= IDLE_DECAY
 
     def forget(self, seq: Sequence) -> None:
         self.per_sequence.pop(seq, None)

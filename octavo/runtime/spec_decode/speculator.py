@@ -47,8 +47,7 @@ class Speculator:
         self.stats = SpecDecodeMetrics(proposer.name, config.num_tokens)
         self._proposals: dict[Sequence, Proposal] = {}
         self._step_start: float | None = None
-        if config.adaptive:
-            self._calibrate()
+        self._calibrate()  # the adaptive policy plans with it; the speedup estimate needs it either way
 
     def _calibrate(self) -> None:
         engine = self.engine
@@ -89,6 +88,8 @@ class Speculator:
             if count and proposal.token_ids:
                 draft_probs = proposal.draft_probs[:count] if proposal.draft_probs is not None else None
                 self._proposals[seq] = Proposal(proposal.token_ids[:count], draft_probs)
+            else:
+                self.acceptance.idle(seq)
         return {seq: proposal.token_ids for seq, proposal in self._proposals.items()}
 
     def _may_speculate(self, seq: Sequence) -> bool:
@@ -208,9 +209,12 @@ class Speculator:
         self.stats.speculative_seconds += seconds
         self.stats.draft_seconds += draft_seconds
         if verified:
+            # A plain step would have emitted one token per sampling sequence; this one emitted
+            # `emitted` for the verifying ones: the same tokens take that many plain steps.
             proposed = sum(len(item.spec_token_ids) for item in schedule.scheduled)
             plain_step = self.target_cost.predict(tokens - proposed, multi - verified)
-            self.stats.estimated_plain_seconds += plain_step * emitted / verified
+            others = len(inputs.sampled_rows) - verified
+            self.stats.estimated_plain_seconds += plain_step * (emitted + others) / (verified + others)
         else:
             self.stats.estimated_plain_seconds += seconds
         self._proposals = {}
