@@ -69,13 +69,12 @@ class SamplerOutput:
 
 @dataclass
 class SamplingDistributions:
-    """What ``Sampler.distributions`` returns for N rows: ``raw_logprobs`` float32 [N, V] (log_softmax
-    of the raw logits), ``probs`` float32 [N, V] (the processed sampling distributions, each summing
-    to 1) and ``greedy_token_ids`` int64 [N] (the argmax of each row's processed logits)."""
+    """What ``Sampler.distributions`` returns for N rows: ``greedy_token_ids`` int64 [N] (the argmax of
+    each row's processed logits) and ``probs`` float32 [N, V], the processed sampling distributions,
+    each summing to 1 (a greedy row's is a point mass on its argmax); None when every row is greedy."""
 
-    raw_logprobs: torch.Tensor
-    probs: torch.Tensor
     greedy_token_ids: torch.Tensor
+    probs: torch.Tensor | None
 
 
 @dataclass
@@ -139,17 +138,21 @@ class Sampler:
         argmax of its processed logits, which ``__call__`` would choose. Speculative decoding
         verifies proposals against these.
         """
-        raw_logits = logits[:, : self.vocab_size].float()
-        processed = self._apply_bias_and_min_tokens(raw_logits.clone(), rows)
+        processed = self._apply_bias_and_min_tokens(logits[:, : self.vocab_size].float().clone(), rows)
         processed = self._apply_penalties(processed, rows)
         greedy_token_ids = processed.argmax(dim=-1)
-        probs = torch.zeros_like(processed).scatter_(1, greedy_token_ids.unsqueeze(1), 1.0)
         random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            random_index = _int64(random_rows, logits.device)
-            random_probs = self._random_probs(processed[random_index], [rows[i].params for i in random_rows])
-            probs[random_index] = random_probs / random_probs.sum(dim=-1, keepdim=True)
-        return SamplingDistributions(torch.log_softmax(raw_logits, dim=-1), probs, greedy_token_ids)
+        if not random_rows:
+            return SamplingDistributions(greedy_token_ids, None)
+        probs = torch.zeros_like(processed).scatter_(1, greedy_token_ids.unsqueeze(1), 1.0)
+        random_index = _int64(random_rows, logits.device)
+        random_probs = self._random_probs(processed[random_index], [rows[i].params for i in random_rows])
+        probs[random_index] = random_probs / random_probs.sum(dim=-1, keepdim=True)
+        return SamplingDistributions(greedy_token_ids, probs)
+
+    def score_logits(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``score`` of chosen ``token_ids`` [N] given each row's raw ``logits`` [N, V_graph]."""
+        return self.score(torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1), token_ids, rows)
 
     def exponential_noise(self, generator: torch.Generator | None, num_rows: int,
                           device: torch.device) -> torch.Tensor:

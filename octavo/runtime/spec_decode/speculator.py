@@ -134,15 +134,15 @@ class Speculator:
             output = seq.output_token_ids
             sampling_rows += [SamplingRow(seq.params, seq.prompt_token_ids, output + item.spec_token_ids[:j],
                                           seq.generator) for j in range(len(item.spec_token_ids) + 1)]
-        row_index = torch.tensor(rows, device=logits.device)
-        distributions = self.engine.sampler.distributions(logits.index_select(0, row_index), sampling_rows)
+        row_logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        distributions = self.engine.sampler.distributions(row_logits, sampling_rows)
         greedy = distributions.greedy_token_ids.tolist()
         decisions = []
         offset = 0
         for _, item in items:
             decisions.append(self._accept(item, distributions, greedy, offset))
             offset += len(item.spec_token_ids) + 1
-        return self._apply(items, decisions, distributions, sampling_rows)
+        return self._apply(items, decisions, row_logits, sampling_rows)
 
     def _accept(self, item: ScheduledSequence, distributions: SamplingDistributions, greedy: list[int],
                 offset: int) -> tuple[list[int], int, int]:
@@ -163,15 +163,17 @@ class Speculator:
         uniform = lambda: sampler.uniform(seq.generator, probs.device)  # noqa: E731
         return (*accept_sampled(probs, draft_probs[:len(proposal)], proposal, noise, uniform), offset)
 
-    def _apply(self, items, decisions, distributions: SamplingDistributions,
-               sampling_rows: list[SamplingRow]) -> tuple[int, int]:
-        """Append the emitted tokens (stopping where a stop condition ends the sequence), then roll back."""
+    def _apply(self, items, decisions, row_logits: torch.Tensor, sampling_rows: list[SamplingRow]) -> tuple[int, int]:
+        """Append the emitted tokens (stopping where a stop condition ends the sequence), then roll back.
+
+        Logprobs are those of the raw logits at each emitted token's position, as plain sampling reports.
+        """
         flat_rows = [first + j for emitted, _, first in decisions for j in range(len(emitted))]
         flat_tokens = [token for emitted, _, _ in decisions for token in emitted]
-        device = distributions.raw_logprobs.device
-        scores = self.engine.sampler.score(distributions.raw_logprobs[torch.tensor(flat_rows, device=device)],
-                                           torch.tensor(flat_tokens, device=device),
-                                           [sampling_rows[row] for row in flat_rows])
+        device = row_logits.device
+        scores = self.engine.sampler.score_logits(row_logits[torch.tensor(flat_rows, device=device)],
+                                                  torch.tensor(flat_tokens, device=device),
+                                                  [sampling_rows[row] for row in flat_rows])
         logprobs = scores.sampled_logprobs.tolist()
         outputs, manager = self.engine.outputs, self.engine.block_manager
         position = total_emitted = 0
