@@ -4,9 +4,9 @@ A proposal's acceptance given that the earlier ones were accepted is modelled as
 sequence. Each verification with k proposals and m accepted is m successes and, when m < k, one
 failure. A sequence's estimate is (successes + W * global) / (trials + W): a new sequence starts at the
 global rate and its own history takes over after a few steps. Its history fades a little at every
-step it does not verify, so a sequence the policy stopped speculating for tries again now and then
-(text that could not be predicted may be followed by text that can). The global rate forgets old
-verifications too (recent requests matter most).
+step it does not verify (text that could not be predicted may be followed by text that can), and
+the steps since it last verified are counted (the policy probes after a while). The global rate
+forgets old verifications too (recent requests matter most).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class AcceptanceTracker:
         self.successes = INITIAL_RATE * PRIOR_WEIGHT
         self.trials = PRIOR_WEIGHT
         self.per_sequence: dict[Sequence, list[float]] = {}
+        self.idle_steps: dict[Sequence, int] = {}
 
     @property
     def global_rate(self) -> float:
@@ -42,6 +43,7 @@ class AcceptanceTracker:
         counts[1] += trials
         self.successes = self.successes * GLOBAL_DECAY ** trials + accepted
         self.trials = self.trials * GLOBAL_DECAY ** trials + trials
+        self.idle_steps[seq] = 0
 
     def idle(self, seq: Sequence) -> None:
         """`seq` could have speculated this step but did not verify anything."""
@@ -49,10 +51,12 @@ class AcceptanceTracker:
         if counts is not None:
             counts[0] *= IDLE_DECAY
             counts[1] *= IDLE_DECAY
+        self.idle_steps[seq] = self.idle_steps.get(seq, 0) + 1
 
     def forget(self, seq: Sequence) -> None:
         self.per_sequence.pop(seq, None)
+        self.idle_steps.pop(seq, None)
 
     def forget_all_but(self, running: set[Sequence]) -> None:
-        for seq in [seq for seq in self.per_sequence if seq not in running and seq.is_finished]:
-            del self.per_sequence[seq]
+        for seq in [seq for seq in self.idle_steps if seq not in running and seq.is_finished]:
+            self.forget(seq)

@@ -1,17 +1,20 @@
-"""Step-time cost model, fitted online: seconds = a + b * tokens + c * multi-token sequences.
+"""Step-time cost model, fitted online: seconds = a + b * tokens + c * multi + d * [tokens > 1].
 
-`tokens` is the step's query token count and `multi-token sequences` the number of sequences with more
-than one query token (prefill chunks, speculative verification), which the attention kernels treat
-one at a time. The coefficients solve an exponentially weighted least-squares problem over the steps
-the engine actually ran (recent steps weigh most), regularized by a prior: timings of a few step
-shapes measured when the engine starts, which keep every coefficient identifiable while the real
-steps all look alike. So the model follows the machine the engine runs on, its thread count and its
-load, instead of constants tuned on one machine.
+`tokens` is the step's query token count and `multi` the number of sequences with more than one
+query token (prefill chunks, speculative verification), which the attention kernels treat one at a
+time. The last term is a jump between a one-token step and any larger one: a matrix-vector product
+reads the weights at memory speed, while a matrix product of a few rows can cost noticeably more
+(CPU GEMM kernels pack their operands), so verifying proposals at batch 1 is not as free as the
+weight traffic alone suggests. The coefficients solve an exponentially weighted least-squares
+problem over the steps the engine actually ran (recent steps weigh most), regularized by a prior:
+timings of a few step shapes measured when the engine starts, which keep every coefficient
+identifiable while the real steps all look alike. So the model follows the machine the engine runs
+on, its thread count and its load, instead of constants tuned on one machine.
 """
 
 from __future__ import annotations
 
-NUM_FEATURES = 3
+NUM_FEATURES = 4
 FORGETTING = 0.98
 """Weight of an observation after each newer one: about the last 50 steps dominate."""
 
@@ -26,7 +29,8 @@ MIN_TOKEN_SECONDS = 1e-7
 
 
 class StepCostModel:
-    """seconds(tokens, multi) = a + b * tokens + c * multi, with a, c >= 0 and b >= MIN_TOKEN_SECONDS."""
+    """seconds(tokens, multi) = a + b * tokens + c * multi + d * [tokens > 1], with a, c, d >= 0 and
+    b >= MIN_TOKEN_SECONDS."""
 
     def __init__(self) -> None:
         size = NUM_FEATURES
@@ -34,12 +38,12 @@ class StepCostModel:
         self._prior_moment = [0.0] * size
         self._gram = [[0.0] * size for _ in range(size)]
         self._moment = [0.0] * size
-        self._coefficients: tuple[float, float, float] | None = (0.0, MIN_TOKEN_SECONDS, 0.0)
+        self._coefficients: tuple[float, ...] | None = (0.0, MIN_TOKEN_SECONDS, 0.0, 0.0)
         self.num_observations = 0
 
     def calibrate(self, tokens: int, multi: int, seconds: float) -> None:
         """A start-up measurement: part of the prior, never forgotten."""
-        _accumulate(self._prior_gram, self._prior_moment, (1.0, float(tokens), float(multi)), seconds, PRIOR_WEIGHT)
+        _accumulate(self._prior_gram, self._prior_moment, _features(tokens, multi), seconds, PRIOR_WEIGHT)
         self._coefficients = None
 
     def observe(self, tokens: int, multi: int, seconds: float) -> None:
@@ -48,23 +52,27 @@ class StepCostModel:
             for j in range(NUM_FEATURES):
                 row[j] *= FORGETTING
         self._moment = [value * FORGETTING for value in self._moment]
-        _accumulate(self._gram, self._moment, (1.0, float(tokens), float(multi)), seconds, 1.0)
+        _accumulate(self._gram, self._moment, _features(tokens, multi), seconds, 1.0)
         self.num_observations += 1
         self._coefficients = None
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
+    def coefficients(self) -> tuple[float, ...]:
+        """(a, b, c, d) in seconds."""
         if self._coefficients is None:
             gram = [[p + g for p, g in zip(prior, row, strict=True)]
                     for prior, row in zip(self._prior_gram, self._gram, strict=True)]
             moment = [p + m for p, m in zip(self._prior_moment, self._moment, strict=True)]
-            a, b, c = _solve(gram, moment)
-            self._coefficients = (max(a, 0.0), max(b, MIN_TOKEN_SECONDS), max(c, 0.0))
+            a, b, c, d = _solve(gram, moment)
+            self._coefficients = (max(a, 0.0), max(b, MIN_TOKEN_SECONDS), max(c, 0.0), max(d, 0.0))
         return self._coefficients
 
     def predict(self, tokens: int, multi: int) -> float:
-        a, b, c = self.coefficients
-        return a + b * tokens + c * multi
+        return sum(w * x for w, x in zip(self.coefficients, _features(tokens, multi), strict=True))
+
+
+def _features(tokens: int, multi: int) -> tuple[float, ...]:
+    return (1.0, float(tokens), float(multi), 1.0 if tokens > 1 else 0.0)
 
 
 def _accumulate(gram: list[list[float]], moment: list[float], x: tuple[float, ...], y: float, weight: float) -> None:
@@ -75,7 +83,7 @@ def _accumulate(gram: list[list[float]], moment: list[float], x: tuple[float, ..
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (3 x 3: plain floats beat a tensor call)."""
+    """Gaussian elimination with partial pivoting (4 x 4: plain floats beat a tensor call)."""
     size = len(rhs)
     rows = [[*matrix[i], rhs[i]] for i in range(size)]
     for column in range(size):

@@ -11,6 +11,11 @@ the maximum depths K = 0..k the one with the highest expected tokens per second 
 CPU a step costs about the same for 1 or k + 1 tokens (the weights are read once), so speculation
 pays even for modest acceptance rates; in a large batch the step is compute bound, the threshold
 rises above every a_i, and speculation turns off.
+
+An estimate can only improve by verifying, so a sequence that is not speculating still verifies
+its proposals now and then (a probe): text that could not be predicted may be followed by text that
+can (a model that starts repeating itself, a quotation). Probes are spaced so that they cost at
+most PROBE_BUDGET of the time, by the same cost model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.runtime.spec_decode.cost_model import StepCostModel
+
+PROBE_BUDGET = 0.02
+"""Share of the step time that probes (verifications the estimates advise against) may cost."""
 
 
 @dataclass
@@ -52,9 +60,12 @@ class SpeculationPolicy:
         if not self.adaptive:
             return [min(self.max_tokens, candidate.max_tokens) for candidate in candidates]
         base_tokens = rest.tokens + len(candidates)
-        base_rate = (rest.emitted + len(candidates)) / self.target_cost.predict(base_tokens, rest.multi)
-        _, token_cost, multi_cost = self.target_cost.coefficients
-        caps = [self._worth(candidate, base_rate, token_cost, multi_cost) for candidate in candidates]
+        base_cost = self.target_cost.predict(base_tokens, rest.multi)
+        base_rate = (rest.emitted + len(candidates)) / base_cost
+        # A sequence's first proposal makes it a multi-token sequence; the next ones add a token each.
+        first_cost = self.target_cost.predict(base_tokens + 1, rest.multi + 1) - base_cost
+        next_cost = self.target_cost.coefficients[1]
+        caps = [self._worth(candidate, base_rate, first_cost, next_cost) for candidate in candidates]
         best_depth, best_rate = 0, base_rate
         for depth in range(1, max(caps, default=0) + 1):
             rate = self._rate([min(depth, cap) for cap in caps], candidates, rest)
@@ -62,17 +73,25 @@ class SpeculationPolicy:
                 best_depth, best_rate = depth, rate
         return [min(best_depth, cap) for cap in caps]
 
-    def _worth(self, candidate: Candidate, base_rate: float, token_cost: float, multi_cost: float) -> int:
+    def _worth(self, candidate: Candidate, base_rate: float, first_cost: float, next_cost: float) -> int:
         """How many proposals of this sequence pay for their own verification."""
         count = 0
         value = 1.0
         while count < min(self.max_tokens, candidate.max_tokens):
             value *= candidate.acceptance
-            cost = token_cost + (multi_cost if count == 0 else 0.0)
-            if value < cost * base_rate:
+            if value < (first_cost if count == 0 else next_cost) * base_rate:
                 break
             count += 1
         return count
+
+    def probe_interval(self, num_tokens: int, step: StepShape) -> float:
+        """Steps between two probes of `num_tokens` proposals of one sequence, in a step shaped like `step`,
+        so that probing costs PROBE_BUDGET of the time."""
+        cost = self.target_cost.predict(step.tokens, step.multi)
+        extra = self.target_cost.predict(step.tokens + num_tokens, step.multi + 1) - cost
+        if self.draft_cost is not None:
+            extra += num_tokens * self.draft_cost.predict(1, 0)
+        return extra / (PROBE_BUDGET * cost)
 
     def _rate(self, counts: list[int], candidates: list[Candidate], rest: StepShape) -> float:
         emitted = rest.emitted + sum(expected_tokens(c.acceptance, k) for c, k in zip(candidates, counts, strict=True))

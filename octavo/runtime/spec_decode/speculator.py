@@ -80,8 +80,11 @@ class Speculator:
         if self.proposer.free:
             proposals = self.proposer.propose(candidates, caps)
             caps = [len(proposal.token_ids) for proposal in proposals]
+        rest = self._rest_of_step(len(candidates))
         counts = self.policy.plan([Candidate(self.acceptance.estimate(seq), cap) for seq, cap in zip(
-            candidates, caps, strict=True)], self._rest_of_step(len(candidates)))
+            candidates, caps, strict=True)], rest)
+        if self.config.adaptive:
+            self._add_probes(candidates, caps, counts, rest)
         if proposals is None:
             proposals = self.proposer.propose(candidates, counts)
         for seq, proposal, count in zip(candidates, proposals, counts, strict=True):
@@ -91,6 +94,14 @@ class Speculator:
             else:
                 self.acceptance.idle(seq)
         return {seq: proposal.token_ids for seq, proposal in self._proposals.items()}
+
+    def _add_probes(self, candidates: list[Sequence], caps: list[int], counts: list[int], rest: StepShape) -> None:
+        """Let sequences that have not verified for a while verify all their proposals (see policy)."""
+        step = StepShape(rest.tokens + len(candidates) + sum(counts), rest.multi + sum(1 for k in counts if k), 0)
+        for index, seq in enumerate(candidates):
+            idle = self.acceptance.idle_steps.get(seq, 0)
+            if counts[index] == 0 and caps[index] > 0 and idle >= self.policy.probe_interval(caps[index], step):
+                counts[index] = caps[index]
 
     def _may_speculate(self, seq: Sequence) -> bool:
         return (seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.params.speculative
@@ -235,8 +246,9 @@ class Speculator:
 
 
 def _describe(cost: StepCostModel) -> str:
-    a, b, c = cost.coefficients
-    return f"{a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token + {c * 1e3:.3f} ms/multi-token sequence"
+    a, b, c, d = cost.coefficients
+    return (f"{a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token + {c * 1e3:.3f} ms/multi-token sequence + {d * 1e3:.2f} ms "
+            "when more than one token")
 
 
 def build_speculator(engine) -> Speculator:

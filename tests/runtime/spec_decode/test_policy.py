@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from octavo.runtime.spec_decode.cost_model import StepCostModel
-from octavo.runtime.spec_decode.policy import Candidate, SpeculationPolicy, StepShape, expected_tokens
+from octavo.runtime.spec_decode.policy import (
+    PROBE_BUDGET,
+    Candidate,
+    SpeculationPolicy,
+    StepShape,
+    expected_tokens,
+)
 
 
 def cost_model(fixed: float, per_token: float, per_multi: float) -> StepCostModel:
@@ -68,3 +74,14 @@ def test_draft_model_cost_limits_the_depth():
     cheap = SpeculationPolicy(4, True, target, cheap_draft).plan(candidates, StepShape(0, 0, 0))
     dear = SpeculationPolicy(4, True, target, dear_draft).plan(candidates, StepShape(0, 0, 0))
     assert cheap == [4] and dear == [0]
+
+
+def test_probes_cost_the_budgeted_share_of_the_time():
+    costs = cost_model(*MEMORY_BOUND)
+    policy = SpeculationPolicy(4, adaptive=True, target_cost=costs)
+    step = StepShape(1, 0, 1)
+    interval = policy.probe_interval(4, step)
+    extra = costs.predict(5, 1) - costs.predict(1, 0)
+    # One probe every `interval` steps adds `extra` seconds: that share of the time the steps take.
+    assert extra / (interval * costs.predict(1, 0)) == pytest.approx(PROBE_BUDGET)
+    assert plan(MEMORY_BOUND, 0.0, batch=1) == [0]  # the plan itself never probes
