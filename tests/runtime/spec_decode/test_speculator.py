@@ -102,12 +102,14 @@ def test_preemption_and_small_budgets_keep_greedy_tokens(artifact, prompts, opti
 
 
 def test_stops_inside_an_accepted_run_end_the_sequence_there(artifact, prompts):
-    """EOS-like stop tokens, stop strings and max_tokens cut a run of accepted proposals at the right token."""
+    """Stop tokens, stop strings and max_tokens cut a run of accepted proposals at the right token; min_tokens
+    bans a stop token from the proposals' positions too."""
     reference = run(artifact, prompts[2:3], greedy(24))[0][0].outputs[0]
     stop_token = reference.token_ids[9]
     stop_text = artifact.tokenizer.decode(reference.token_ids[13:15])
     cases = [greedy(24, stop_token_ids=[stop_token]), greedy(24, stop=[stop_text]), greedy(11),
-             greedy(24, stop_token_ids=[stop_token], include_stop_str_in_output=True)]
+             greedy(24, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+             greedy(24, stop_token_ids=[stop_token], min_tokens=12)]  # the stop token is banned until 12 tokens
     plain = run(artifact, prompts[2:3] * len(cases), cases)[0]
     for speculative in ("ngram:4:fixed", f"draft:{artifact.path}:4:fixed"):
         outputs = run(artifact, prompts[2:3] * len(cases), cases, speculative)[0]
