@@ -3,11 +3,13 @@
 Each speculating sequence i has an estimated acceptance rate a_i (the chance that a proposal is
 accepted given that the ones before it were). With k_i proposals its expected emitted tokens are
 1 + a_i + ... + a_i^k_i. The step's cost comes from the measured cost models (target step, and draft
-model steps for a draft proposer). A proposal is worth its verification only when its expected
-tokens exceed what the same time buys without it: proposal j of sequence i is kept if
-a_i^j >= (marginal seconds of one more query token) x (tokens per second of the step without
-speculation), the first proposal also paying the per-sequence cost of multi-token attention. Among
-the maximum depths K = 0..k the one with the highest expected tokens per second wins. At batch 1 on a
+model steps for a draft proposer). Proposals are worth their verification only when their expected
+tokens exceed what the same time buys without them: sequence i proposes the k_i that maximizes
+(a_i + ... + a_i^k_i) - (the seconds they add) x (tokens per second of the step without
+speculation), where the first proposal pays for turning the sequence into a multi-token one and
+the next ones for one more token each (judged together: a first proposal that does not pay alone may
+pay with the ones after it). Among the maximum depths K = 0..k the one with the highest expected
+tokens per second wins. At batch 1 on a
 CPU a step costs about the same for 1 or k + 1 tokens (the weights are read once), so speculation
 pays even for modest acceptance rates; in a large batch the step is compute bound, the threshold
 rises above every a_i, and speculation turns off.
@@ -74,15 +76,16 @@ class SpeculationPolicy:
         return [min(best_depth, cap) for cap in caps]
 
     def _worth(self, candidate: Candidate, base_rate: float, first_cost: float, next_cost: float) -> int:
-        """How many proposals of this sequence pay for their own verification."""
-        count = 0
-        value = 1.0
-        while count < min(self.max_tokens, candidate.max_tokens):
-            value *= candidate.acceptance
-            if value < (first_cost if count == 0 else next_cost) * base_rate:
-                break
-            count += 1
-        return count
+        """The number of proposals of this sequence with the largest expected gain in tokens (0: none pays)."""
+        best_count, best_gain = 0, 0.0
+        expected = power = 1.0
+        for count in range(1, min(self.max_tokens, candidate.max_tokens) + 1):
+            power *= candidate.acceptance
+            expected += power
+            gain = (expected - 1.0) - (first_cost + (count - 1) * next_cost) * base_rate
+            if gain > best_gain:
+                best_count, best_gain = count, gain
+        return best_count
 
     def probe_interval(self, num_tokens: int, step: StepShape) -> float:
         """Steps between two probes of `num_tokens` proposals of one sequence, in a step shaped like `step`,

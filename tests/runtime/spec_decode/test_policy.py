@@ -85,3 +85,16 @@ def test_probes_cost_the_budgeted_share_of_the_time():
     # One probe every `interval` steps adds `extra` seconds: that share of the time the steps take.
     assert extra / (interval * costs.predict(1, 0)) == pytest.approx(PROBE_BUDGET)
     assert plan(MEMORY_BOUND, 0.0, batch=1) == [0]  # the plan itself never probes
+
+
+def test_proposals_are_judged_together():
+    """A first proposal that does not pay for turning the step multi-token alone pays with the next ones."""
+    jumpy = StepCostModel()
+    for tokens in (1, 2, 3, 5, 8, 12):
+        for multi in (0, 1, 2):
+            jumpy.observe(tokens, multi, 0.100 + 0.005 * tokens + 0.020 * multi + (0.030 if tokens > 1 else 0.0))
+    policy = SpeculationPolicy(4, adaptive=True, target_cost=jumpy)
+    # One proposal at a = 0.5: 0.5 tokens for 0.055 s at 1/0.105 tokens/s (0.52 tokens): not worth it;
+    # four: 0.94 tokens for 0.07 s (0.67 tokens): worth it.
+    assert policy.plan([Candidate(0.5, 1)], StepShape(0, 0, 0)) == [0]
+    assert policy.plan([Candidate(0.5, 4)], StepShape(0, 0, 0)) == [4]
