@@ -7,6 +7,12 @@ global rate and its own history takes over after a few steps. Its history fades 
 step it does not verify (text that could not be predicted may be followed by text that can), and
 the steps since it last verified are counted (the policy probes after a while). The global rate
 forgets old verifications too (recent requests matter most).
+
+Proposals that cost nothing to make (n-gram lookup) need no verification to be judged: a proposal
+made at a step where the sequence does not speculate is checked against the tokens the sequence then
+emits (ShadowChecks). That is the very outcome verification would have had: a greedy sequence emits
+the target's argmax, and a sampled one emits y ~ p, which equals a point-mass proposal x with
+probability p(x), the acceptance probability of x.
 """
 
 from __future__ import annotations
@@ -60,3 +66,32 @@ class AcceptanceTracker:
     def forget_all_but(self, running: set[Sequence]) -> None:
         for seq in [seq for seq in self.idle_steps if seq not in running and seq.is_finished]:
             self.forget(seq)
+
+
+class ShadowChecks:
+    """Unverified proposals, scored against the tokens their sequences emit afterwards (one per sequence)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Sequence, tuple[int, list[int]]] = {}
+
+    def watch(self, seq: Sequence, proposal: list[int]) -> None:
+        """`proposal` was made for the tokens after seq.token_ids and not verified."""
+        if proposal and seq not in self.pending:
+            self.pending[seq] = (seq.num_tokens, list(proposal))
+
+    def resolve(self, tracker: AcceptanceTracker) -> None:
+        """Record every proposal whose outcome the emitted tokens now decide (a mismatch, or all matched)."""
+        for seq, (start, proposal) in list(self.pending.items()):
+            if seq.is_finished:
+                del self.pending[seq]
+                continue
+            emitted = seq.token_ids[start:start + len(proposal)]
+            matched = 0
+            while matched < len(emitted) and emitted[matched] == proposal[matched]:
+                matched += 1
+            if matched < len(emitted) or matched == len(proposal):
+                tracker.record(seq, len(proposal), matched)
+                del self.pending[seq]
+
+    def forget(self, seq: Sequence) -> None:
+        self.pending.pop(seq, None)

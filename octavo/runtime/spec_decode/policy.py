@@ -14,10 +14,11 @@ CPU a step costs about the same for 1 or k + 1 tokens (the weights are read once
 pays even for modest acceptance rates; in a large batch the step is compute bound, the threshold
 rises above every a_i, and speculation turns off.
 
-An estimate can only improve by verifying, so a sequence that is not speculating still verifies
-its proposals now and then (a probe): text that could not be predicted may be followed by text that
-can (a model that starts repeating itself, a quotation). Probes are spaced so that they cost at
-most PROBE_BUDGET of the time, by the same cost model.
+Text that could not be predicted may be followed by text that can (a model that starts repeating
+itself, a quotation), so a sequence that is not speculating must still be judged: free proposals are
+checked against the tokens emitted anyway (see acceptance.ShadowChecks); a draft model's are
+verified now and then (a probe), spaced so that probes cost at most PROBE_BUDGET of the time, by
+the same cost model.
 """
 
 from __future__ import annotations

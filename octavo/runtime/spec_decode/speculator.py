@@ -15,7 +15,7 @@ from octavo.runtime.loader import load_artifact
 from octavo.runtime.sampler import SamplingDistributions, SamplingRow
 from octavo.runtime.scheduler import ScheduledSequence, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
-from octavo.runtime.spec_decode.acceptance import AcceptanceTracker
+from octavo.runtime.spec_decode.acceptance import AcceptanceTracker, ShadowChecks
 from octavo.runtime.spec_decode.calibration import calibrate, calibration_shapes
 from octavo.runtime.spec_decode.cost_model import StepCostModel
 from octavo.runtime.spec_decode.draft import DraftProposer, check_same_tokenizer, draft_num_blocks
@@ -44,6 +44,7 @@ class Speculator:
         draft_cost = getattr(proposer, "cost", None)
         self.policy = SpeculationPolicy(config.num_tokens, config.adaptive, self.target_cost, draft_cost)
         self.acceptance = AcceptanceTracker()
+        self.shadow = ShadowChecks()
         self.stats = SpecDecodeMetrics(proposer.name, config.num_tokens)
         self._proposals: dict[Sequence, Proposal] = {}
         self._step_start: float | None = None
@@ -71,6 +72,7 @@ class Speculator:
         running = set(scheduler.running)
         self.proposer.release_all_but(running)
         self.acceptance.forget_all_but(running)
+        self.shadow.resolve(self.acceptance)
         self._proposals = {}
         candidates = [seq for seq in scheduler.running if self._may_speculate(seq)]
         if not candidates:
@@ -83,7 +85,7 @@ class Speculator:
         rest = self._rest_of_step(len(candidates))
         counts = self.policy.plan([Candidate(self.acceptance.estimate(seq), cap) for seq, cap in zip(
             candidates, caps, strict=True)], rest)
-        if self.config.adaptive:
+        if self.config.adaptive and not self.proposer.free:
             self._add_probes(candidates, caps, counts, rest)
         if proposals is None:
             proposals = self.proposer.propose(candidates, counts)
@@ -93,10 +95,13 @@ class Speculator:
                 self._proposals[seq] = Proposal(proposal.token_ids[:count], draft_probs)
             else:
                 self.acceptance.idle(seq)
+                if self.proposer.free:
+                    self.shadow.watch(seq, proposal.token_ids)
         return {seq: proposal.token_ids for seq, proposal in self._proposals.items()}
 
     def _add_probes(self, candidates: list[Sequence], caps: list[int], counts: list[int], rest: StepShape) -> None:
-        """Let sequences that have not verified for a while verify all their proposals (see policy)."""
+        """Let sequences that have not verified for a while verify all their proposals (see policy); only for
+        a proposer that runs a model (free proposals are judged without verification: ShadowChecks)."""
         step = StepShape(rest.tokens + len(candidates) + sum(counts), rest.multi + sum(1 for k in counts if k), 0)
         for index, seq in enumerate(candidates):
             idle = self.acceptance.idle_steps.get(seq, 0)
@@ -238,6 +243,7 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
         self.acceptance.forget(seq)
+        self.shadow.forget(seq)
 
     def metrics(self) -> SpecDecodeMetrics:
         """A snapshot of the counters (a copy: the engine keeps counting)."""
