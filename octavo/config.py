@@ -136,6 +136,53 @@ def parse_memory_size(value: int | str | None) -> int | None:
     return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, parsed from ``METHOD[:PATH]:K[:OPTION...]`` (``--speculative``).
+
+    ``ngram:K`` proposes up to K tokens by prompt lookup (n-grams of ``ngram_min..ngram_max``
+    tokens, option ``n=MIN-MAX``); ``draft:PATH:K`` has the draft artifact at PATH propose K tokens.
+    Option ``fixed`` always proposes K tokens; by default K is a maximum that a measured cost model
+    lowers (down to no speculation) when verifying more tokens would not pay.
+    """
+
+    method: str
+    num_tokens: int
+    draft_path: str | None = None
+    adaptive: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    @classmethod
+    def parse(cls, spec: str) -> SpeculativeConfig:
+        parts = spec.split(":")
+        method = parts[0]
+        if method not in ("ngram", "draft"):
+            raise OctavoError(f"speculative method must be ngram or draft, got {spec!r} "
+                              "(use ngram:K or draft:PATH:K)")
+        path, parts = (parts[1], parts[2:]) if method == "draft" and len(parts) >= 3 else (None, parts[1:])
+        if not parts or not parts[0].isdigit() or int(parts[0]) < 1:
+            raise OctavoError(f"speculative {spec!r}: K, the number of proposed tokens, must be an integer >= 1 "
+                              "(use ngram:K or draft:PATH:K)")
+        options: dict = {"method": method, "num_tokens": int(parts[0]), "draft_path": path}
+        for option in parts[1:]:
+            if option in ("fixed", "adaptive"):
+                options["adaptive"] = option == "adaptive"
+            elif method == "ngram" and re.fullmatch(r"n=\d+-\d+", option):
+                options["ngram_min"], options["ngram_max"] = map(int, option[2:].split("-"))
+            else:
+                raise OctavoError(f"speculative {spec!r}: unknown option {option!r} (fixed, adaptive"
+                                  f"{', n=MIN-MAX' if method == 'ngram' else ''})")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft" and not self.draft_path:
+            raise OctavoError("speculative draft needs the draft artifact's path: draft:PATH:K")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise OctavoError(f"speculative n-gram range must satisfy 1 <= min <= max, got "
+                              f"{self.ngram_min}-{self.ngram_max}")
+
+
 @dataclass
 class EngineConfig:
     """Options of the runtime engine (LLM(...), octavo generate/serve/bench).
@@ -166,6 +213,7 @@ class EngineConfig:
     node_rank: int = 0
     collective_timeout: float = 60.0
     pipeline_depth: int | None = None
+    speculative: str | SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,6 +229,8 @@ class EngineConfig:
             raise OctavoError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.backend not in ("auto", "torch", "triton", "cpu"):
             raise OctavoError(f"backend must be auto, torch, triton or cpu, got {self.backend!r}")
+        if isinstance(self.speculative, str):
+            self.speculative = SpeculativeConfig.parse(self.speculative)
         self._check_parallel()
 
     @property

@@ -80,18 +80,20 @@ def served_model(url: str, api_key: str | None = None) -> dict:
 
 def online_prompts(workload: Workload, card: dict, artifact: str | None = None) -> list[list[int]]:
     """The workload's prompts for the served model, whose vocabulary size comes from the server's model
-    card or, when it does not say, from the served `artifact`'s tokenizer. The ids are the ones
-    `octavo bench ARTIFACT` sends for the same workload."""
+    card or, when it does not say, from the served `artifact`'s tokenizer (which a chat workload
+    needs too). The ids are the ones `octavo bench ARTIFACT` sends for the same workload."""
     vocab_size = card.get("vocab_size")
-    if vocab_size is None and artifact is not None:
+    tokenizer = None
+    if artifact is not None and (vocab_size is None or workload.chat_file is not None):
         from transformers import AutoTokenizer
 
         from octavo.ir.artifact_format import TOKENIZER_DIR
 
-        vocab_size = len(AutoTokenizer.from_pretrained(Path(artifact) / TOKENIZER_DIR, local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(Path(artifact) / TOKENIZER_DIR, local_files_only=True)
+        vocab_size = vocab_size or len(tokenizer)
     if vocab_size is None:
         raise OctavoError("the server does not say its vocab_size: pass the ARTIFACT it serves")
-    return workload.prompts(vocab_size)
+    return workload.prompts(vocab_size, tokenizer)
 
 
 async def run_online(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,

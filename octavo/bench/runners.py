@@ -12,6 +12,7 @@ from octavo.bench.results import BenchResult
 from octavo.bench.workloads import Workload
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) 
     finished = {}
     preemptions_before = engine.scheduler.num_preemptions
     hits_before = engine.block_manager.stats.hit_tokens
+    speculative_before = engine.get_metrics().speculative
     memory = KVMemoryTracker(engine)
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -46,8 +48,21 @@ def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) 
     result.extra["preemptions"] = engine.scheduler.num_preemptions - preemptions_before
     result.extra["prefix-cache hit tokens"] = engine.block_manager.stats.hit_tokens - hits_before
     result.extra.update(memory.summary())
+    if speculative_before is not None:
+        result.extra.update(speculative_figures(engine.get_metrics().speculative.since(speculative_before)))
     ordered = [finished[f"bench-{index}"].outputs[0].token_ids for index in range(len(prompts))]
     return result, ordered
+
+
+def speculative_figures(metrics: SpecDecodeMetrics) -> dict[str, str]:
+    """Acceptance and speed of speculative decoding, kept apart: how much was accepted, and what it bought."""
+    positions = " ".join(f"{rate:.2f}" for rate in metrics.acceptance_per_position) or "-"
+    return {"speculative": f"{metrics.proposer}:{metrics.max_proposed}",
+            "acceptance": f"{metrics.acceptance_rate:.1%} (per position {positions})",
+            "proposed": str(metrics.proposed_tokens),
+            "mean accepted": f"{metrics.mean_accepted_length:.2f}",
+            "tokens per verifying step": f"{metrics.tokens_per_step:.2f}",
+            "estimated speedup": f"{metrics.speedup:.2f}x"}
 
 
 class KVMemoryTracker:
@@ -78,7 +93,7 @@ class KVMemoryTracker:
 def workload_blocks(workload: Workload, artifact) -> int:
     """KV blocks needed to hold every request of the workload at its full length at once."""
     block_size = artifact.kv_layout["block_size"]
-    prompts = workload.prompts(artifact.manifest["vocab_size"])
+    prompts = workload.prompts(artifact.manifest["vocab_size"], tokenizer=artifact.tokenizer)
     return sum(-(-(len(prompt) + workload.output_len) // block_size) for prompt in prompts)
 
 

@@ -23,28 +23,37 @@ WORKLOADS_FILE = "workloads.toml"
 @dataclass(frozen=True)
 class Workload:
     """Requests of random token ids: `num_requests` prompts of `prompt_len_min..max` tokens
-    (after a common `shared_prefix_len`-token prefix), each generating `output_len` tokens."""
+    (after a common `shared_prefix_len`-token prefix), each generating `output_len` tokens.
+
+    With `chat_file` (a TOML file next to workloads.toml, with [[request]] tables of `instruction`
+    and `code`), the prompts are instead real chat requests rendered by the artifact's chat
+    template, taken in order (and again from the first when there are more requests than tables).
+    """
 
     name: str
     description: str
     num_requests: int
-    prompt_len_min: int
-    prompt_len_max: int
     output_len: int
+    prompt_len_min: int = 0
+    prompt_len_max: int = 0
     seed: int = 0
     shared_prefix_len: int = 0
     token_id_low: int = 100
     token_id_high: int = 49000
     fixed_prompts: tuple[tuple[int, ...], ...] | None = None
+    chat_file: str | None = None
 
-    def prompts(self, vocab_size: int) -> list[list[int]]:
+    def prompts(self, vocab_size: int, tokenizer=None) -> list[list[int]]:
         """The workload's prompts as token ids (deterministic; ids below `vocab_size`).
 
         Ids are drawn from [token_id_low, min(token_id_high, vocab_size)): the low ids, where
-        tokenizers keep their special tokens, are left out.
+        tokenizers keep their special tokens, are left out. A chat workload (`chat_file`) renders
+        its requests with `tokenizer`'s chat template instead.
         """
         if self.fixed_prompts is not None:
             return self._checked_fixed_prompts(vocab_size)
+        if self.chat_file is not None:
+            return self._chat_prompts(tokenizer)
         high = min(self.token_id_high, vocab_size)
         if high <= self.token_id_low:
             raise OctavoError(f"workload {self.name}: the vocabulary of {vocab_size} tokens has no id in "
@@ -64,6 +73,21 @@ class Workload:
             if bad:
                 raise OctavoError(f"workload {self.name}: request {index} has token id {bad[0]}, outside the "
                                   f"model's vocabulary of {vocab_size}")
+        return prompts
+
+    def _chat_prompts(self, tokenizer) -> list[list[int]]:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise OctavoError(f"workload {self.name} is made of chat requests: it needs the artifact's tokenizer "
+                              "with a chat template")
+        with open(workloads_path().parent / self.chat_file, "rb") as handle:
+            requests = tomllib.load(handle)["request"]
+        prompts = []
+        for index in range(self.num_requests):
+            request = requests[index % len(requests)]
+            content = f"{request['instruction']}\n\n```python\n{request['code'].strip()}\n```"
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                     add_generation_prompt=True, tokenize=False)
+            prompts.append(tokenizer.encode(rendered, add_special_tokens=False))
         return prompts
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 
 import torch
 
@@ -18,13 +19,14 @@ from octavo.runtime.loader import load_artifact
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark an artifact on a fixed workload")
     parser.add_argument("artifact", nargs="?", help="artifact directory (with --server: optional, for its tokenizer)")
-    parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix")
+    parser.add_argument("--workload", default="throughput", help="throughput | single | shared_prefix | copy")
     parser.add_argument("--prompts-from", metavar="FILE", default=None,
                         help="run these requests instead of --workload: a JSON list of {\"prompt_token_ids\": "
                         "[...], \"max_tokens\": N}, as the side-by-side harness of other engines writes it")
-    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool"], default=None,
+    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool", "no-speculation"], default=None,
                         help="also run a baseline in this process and print the ratio: Hugging Face generate, "
-                        "the engine without prefix caching, or the engine with a pool that holds every request")
+                        "the engine without prefix caching, with a pool that holds every request, or without "
+                        "speculative decoding")
     parser.add_argument("--vs-artifact", metavar="DIR", default=None,
                         help="also run the workload on this second artifact (e.g. compiled with --disable-pass) "
                         "in this process and print the ratio")
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if node_exit is not None:
         return node_exit
     config = engine_config(args)
+    if args.vs == "no-speculation" and config.speculative is None:
+        raise OctavoError("--vs no-speculation compares against speculative decoding: add --speculative SPEC")
     if config.num_threads is None and config.world_size == 1:  # parallel ranks share the cores out themselves
         config.num_threads = 2
     if config.num_threads:
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
     engine = LLMEngine(artifact, config)
-    prompts = workload.prompts(engine.vocab_size)
+    prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
     console.print(f"workload {workload.name}: {workload.description} "
                   f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
                   f"backend {engine.backend}, "
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
     octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
     console.print(octavo_result.line(), markup=False)
-    if args.vs in ("no-prefix-caching", "full-pool"):
+    if args.vs in ("no-prefix-caching", "full-pool", "no-speculation"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
                                 octavo_tokens)
     if args.vs_artifact:
@@ -89,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
 def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, workload, prompts,
                             result, tokens) -> None:
     """Run the same workload on a second engine that differs in one option, and print the ratio."""
-    changes = ({"enable_prefix_caching": False} if variant == "no-prefix-caching"
-               else {"num_kv_blocks": needed_blocks, "kv_cache_memory": None})
+    changes = {"no-prefix-caching": {"enable_prefix_caching": False},
+               "full-pool": {"num_kv_blocks": needed_blocks, "kv_cache_memory": None},
+               "no-speculation": {"speculative": None}}[variant]
     baseline = LLMEngine(artifact, dataclasses.replace(config, **changes))
     _compare(variant, baseline, workload, prompts, result, tokens)
 
@@ -106,7 +111,12 @@ def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) 
     console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
     ratio = result.output_tokens_per_s / baseline_result.output_tokens_per_s
-    console.print(f" ratio {workload.name}: octavo/{name} output tok/s = {ratio:.2f}x; "
+    decode = ""
+    if result.itl_s and baseline_result.itl_s:
+        # Per-request decode speed: speculation changes it, prefill (in output tok/s too) it does not.
+        decode = (f"; per-request decode speed (1/ITL mean) = "
+                  f"{statistics.mean(baseline_result.itl_s) / statistics.mean(result.itl_s):.2f}x")
+    console.print(f" ratio {workload.name}: octavo/{name} output tok/s = {ratio:.2f}x{decode}; "
                   f"identical greedy outputs {same}/{len(prompts)}", markup=False)
 
 

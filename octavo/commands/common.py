@@ -29,6 +29,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     group.add_argument("--backend", choices=["auto", "torch", "triton", "cpu"], default=None)
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
+    group.add_argument("--speculative", metavar="SPEC", default=None,
+                       help="speculative decoding: ngram:K (prompt lookup) or draft:PATH:K (a draft artifact with "
+                       "the same tokenizer) proposes up to K tokens per step; add :fixed to always propose K "
+                       "(default: a measured cost model picks K, down to none)")
     parallel = parser.add_argument_group("parallel options")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                           help="shard each layer over N ranks (attention heads, MLP columns, vocabulary)")
@@ -60,6 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "nnodes": args.nnodes,
         "node_rank": args.node_rank,
         "collective_timeout": args.collective_timeout,
+        "speculative": args.speculative,
     }
     options = {key: value for key, value in options.items() if value is not None}
     if args.no_prefix_caching:

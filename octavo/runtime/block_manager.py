@@ -150,6 +150,17 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks of `seq` past the ones that hold its first `num_tokens` tokens.
+
+        Speculative decoding allocates slots for proposed tokens; when they are rejected the
+        sequence is shortened and the blocks that held only rejected tokens are freed.
+        """
+        keep = self.blocks_for_tokens(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the same blocks as `parent` (shared, one more reference each)."""
         for block_id in parent.block_table:

@@ -30,6 +30,7 @@ from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
+from octavo.runtime.spec_decode.speculator import build_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
                                        self.max_model_len)
+        self.speculator = build_speculator(self) if self.config.speculative else None
         self.requests: dict[str, Request] = {}
         self.last_step: StepRecord | None = None
         self.num_steps = 0
@@ -158,6 +160,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 seq.finish_time = time.monotonic()
+            if self.speculator is not None:
+                self.speculator.release(seq)
         request.aborted = True
         return request.make_output()
 
@@ -170,24 +174,36 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the graph once, sample, and return the outputs of every request that changed."""
+        """Schedule, run the graph once, sample, and return the outputs of every request that changed.
+
+        With speculative decoding, proposals are made first and verified after the step.
+        """
         if self.pipeline is not None and self.pipeline.depth > 1:
             return self.pipeline.step()
-        executed = self.execute_step()
+        proposals = self.speculator.propose() if self.speculator is not None else None
+        executed = self.execute_step(proposals)
         if executed is None:
             return []
         schedule, inputs, logits = executed
         rows = []
         for row, scheduled_index in enumerate(inputs.sampled_rows):
+            if scheduled_index in inputs.spec_rows:
+                continue  # verified by the speculator below
             seq = schedule.scheduled[scheduled_index].seq
             rows.append((seq, row))
             rows += [(sibling, row) for sibling in self._fork_siblings(seq)]
         self.outputs.sample_and_append(rows, logits)
+        if self.speculator is not None:
+            self.speculator.verify(schedule, inputs, logits)
         return self._collect_outputs({item.seq.request_id for item in schedule.scheduled})
 
-    def execute_step(self) -> tuple[SchedulerOutput, StepInputs, torch.Tensor] | None:
-        """Schedule and run the graph; advance computed-token counts; score prompt logprobs. No sampling."""
-        schedule = self.scheduler.schedule()
+    def execute_step(self, proposals: dict[Sequence, list[int]] | None = None
+                     ) -> tuple[SchedulerOutput, StepInputs, torch.Tensor] | None:
+        """Schedule and run the graph; advance computed-token counts; score prompt logprobs. No sampling.
+
+        `proposals` (speculative tokens) are computed too; they are not counted as computed here.
+        """
+        schedule = self.scheduler.schedule(proposals)
         if schedule.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
@@ -203,7 +219,7 @@ class LLMEngine:
             self.outputs.add_prompt_logprobs(self.requests[seq.request_id], logits[first_row:first_row + count],
                                              seq.num_computed_tokens)
         for item in schedule.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_real_tokens
             self.block_manager.cache_full_blocks(item.seq)
         return schedule, inputs, logits
 

@@ -24,6 +24,9 @@ class StepInputs:
     prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
     # scheduled index -> (first logits row, count) of prompt positions scored for prompt_logprobs,
     # rows S.. of the logits; the rows are consecutive token positions from the chunk's start
+    spec_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # scheduled index -> (first logits row, count) of the positions of its proposed tokens (speculative
+    # decoding), after the prompt rows; its sampled row is the position of its newest real token
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in
@@ -32,7 +35,8 @@ class StepInputs:
 
     def to(self, device: torch.device) -> StepInputs:
         moved = {name: tensor.to(device, non_blocking=True) for name, tensor in self.as_dict().items()}
-        return StepInputs(**moved, sampled_rows=self.sampled_rows, prompt_rows=self.prompt_rows)
+        return StepInputs(**moved, sampled_rows=self.sampled_rows, prompt_rows=self.prompt_rows,
+                          spec_rows=self.spec_rows)
 
 
 def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> StepInputs:
@@ -53,10 +57,12 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
     block_tables = _padded_block_tables(scheduled)
     slot_mapping = block_tables[owner, positions // block_size].long() * block_size + positions % block_size
     sampled_rows = [index for index, item in enumerate(scheduled) if item.samples]
-    logits_indices = query_start_loc[1:][sampled_rows] - 1
+    num_spec = torch.tensor([len(item.spec_token_ids) for item in scheduled], dtype=torch.int64)
+    logits_indices = (query_start_loc[1:] - 1 - num_spec)[sampled_rows]
     prompt_rows, extra = _prompt_logprob_rows(scheduled, query_start_loc, len(sampled_rows))
-    if extra:
-        logits_indices = torch.cat([logits_indices, *extra])
+    spec_rows, spec_extra = _spec_rows(scheduled, query_start_loc, len(sampled_rows) + sum(map(len, extra)))
+    if extra or spec_extra:
+        logits_indices = torch.cat([logits_indices, *extra, *spec_extra])
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -67,6 +73,7 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
         logits_indices=logits_indices,
         sampled_rows=sampled_rows,
         prompt_rows=prompt_rows,
+        spec_rows=spec_rows,
     )
 
 
@@ -90,11 +97,26 @@ def _prompt_logprob_rows(scheduled: list[ScheduledSequence], query_start_loc: to
     return rows, indices
 
 
+def _spec_rows(scheduled: list[ScheduledSequence], query_start_loc: torch.Tensor,
+               first_row: int) -> tuple[dict[int, tuple[int, int]], list[torch.Tensor]]:
+    """Extra logits rows at the positions of proposed tokens (each scores the token after it)."""
+    rows: dict[int, tuple[int, int]] = {}
+    indices: list[torch.Tensor] = []
+    for index, item in enumerate(scheduled):
+        count = len(item.spec_token_ids)
+        if count:
+            rows[index] = (first_row, count)
+            first_row += count
+            indices.append(int(query_start_loc[index + 1]) - count + torch.arange(count))
+    return rows, indices
+
+
 def _new_token_ids(scheduled: list[ScheduledSequence]) -> list[int]:
     token_ids: list[int] = []
     for item in scheduled:
         start = item.seq.num_computed_tokens
-        token_ids += item.seq.token_ids[start:start + item.num_new_tokens]
+        token_ids += item.seq.token_ids[start:start + item.num_real_tokens]
+        token_ids += item.spec_token_ids
     return token_ids
 
 

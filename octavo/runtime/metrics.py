@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octavo.runtime.spec_decode.metrics import SpecDecodeMetrics
+
 
 @dataclass
 class EngineMetrics:
@@ -24,6 +26,7 @@ class EngineMetrics:
     - ``num_preemptions``: preemptions since the engine started (cumulative).
     - ``prefix_cache_queries_tokens`` / ``prefix_cache_hits_tokens``: prompt tokens looked up in / found in
       the prefix cache since the engine started (cumulative).
+    - ``speculative``: speculative decoding counters (None when it is off).
     """
 
     num_running: int = 0
@@ -37,6 +40,7 @@ class EngineMetrics:
     num_preemptions: int = 0
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hits_tokens: int = 0
+    speculative: SpecDecodeMetrics | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -68,4 +72,5 @@ def collect_engine_metrics(engine) -> EngineMetrics:
         num_preemptions=scheduler.num_preemptions,
         prefix_cache_queries_tokens=manager.prefix_cache_queries_tokens,
         prefix_cache_hits_tokens=manager.prefix_cache_hits_tokens,
+        speculative=engine.speculator.metrics() if getattr(engine, "speculator", None) is not None else None,
     )

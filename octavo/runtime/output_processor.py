@@ -37,13 +37,19 @@ class OutputProcessor:
         token_ids = result.token_ids.tolist()
         logprobs = result.sampled_logprobs.tolist()
         for index, seq in enumerate(sequences):
-            seq.append_token(token_ids[index])
-            seq.cumulative_logprob += logprobs[index]
-            if seq.output_logprobs is not None:
-                seq.output_logprobs.append(self.logprob_entry(result, index, seq.params.logprobs))
-            delta = seq.detokenizer.append([token_ids[index]])
-            seq.output_text += delta
-            self._check_stop(seq, len(delta))
+            entry = self.logprob_entry(result, index, seq.params.logprobs) if seq.output_logprobs is not None else None
+            self.append_token(seq, token_ids[index], logprobs[index], entry)
+
+    def append_token(self, seq: Sequence, token_id: int, logprob: float, logprob_entry: dict | None) -> bool:
+        """Append one chosen token with its logprob (entry) and text; stop checks. Returns whether `seq` finished."""
+        seq.append_token(token_id)
+        seq.cumulative_logprob += logprob
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(logprob_entry)
+        delta = seq.detokenizer.append([token_id])
+        seq.output_text += delta
+        self._check_stop(seq, len(delta))
+        return seq.is_finished
 
     def _check_stop(self, seq: Sequence, new_text_len: int) -> None:
         decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_ids, seq.output_text,

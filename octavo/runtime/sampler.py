@@ -68,6 +68,16 @@ class SamplerOutput:
 
 
 @dataclass
+class SamplingDistributions:
+    """What ``Sampler.distributions`` returns for N rows: ``greedy_token_ids`` int64 [N] (the argmax of
+    each row's processed logits) and ``probs`` float32 [N, V], the processed sampling distributions,
+    each summing to 1 (a greedy row's is a point mass on its argmax); None when every row is greedy."""
+
+    greedy_token_ids: torch.Tensor
+    probs: torch.Tensor | None
+
+
+@dataclass
 class PromptLogprobs:
     """Log probabilities of the prompt's tokens, for positions 1..P-1 of a P-token prompt (piece).
 
@@ -109,12 +119,51 @@ class Sampler:
         processed = self._apply_bias_and_min_tokens(raw_logits.clone(), rows)
         processed = self._apply_penalties(processed, rows)
         token_ids = self._choose_tokens(processed, rows)
+        return self.score(raw_logprobs, token_ids, rows)
+
+    def score(self, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The SamplerOutput of chosen ``token_ids`` [N] given each row's ``raw_logprobs`` [N, V]."""
         max_logprobs = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         sampled_logprobs, ranks = _logprobs_and_ranks(raw_logprobs, token_ids)
         top_logprobs = top_token_ids = None
         if max_logprobs is not None:
             top_logprobs, top_token_ids = raw_logprobs.topk(min(max_logprobs, self.vocab_size), dim=-1)
         return SamplerOutput(token_ids, sampled_logprobs, ranks, top_logprobs, top_token_ids)
+
+    def distributions(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplingDistributions:
+        """The distribution each row's next token is drawn from, without drawing it.
+
+        Same processing as ``__call__`` (so the probabilities are those ``__call__`` samples from):
+        ``probs[i]`` is normalized; a greedy row's is a point mass on ``greedy_token_ids[i]``, the
+        argmax of its processed logits, which ``__call__`` would choose. Speculative decoding
+        verifies proposals against these.
+        """
+        processed = self._apply_bias_and_min_tokens(logits[:, : self.vocab_size].float().clone(), rows)
+        processed = self._apply_penalties(processed, rows)
+        greedy_token_ids = processed.argmax(dim=-1)
+        random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_rows:
+            return SamplingDistributions(greedy_token_ids, None)
+        probs = torch.zeros_like(processed).scatter_(1, greedy_token_ids.unsqueeze(1), 1.0)
+        random_index = _int64(random_rows, logits.device)
+        random_probs = self._random_probs(processed[random_index], [rows[i].params for i in random_rows])
+        probs[random_index] = random_probs / random_probs.sum(dim=-1, keepdim=True)
+        return SamplingDistributions(greedy_token_ids, probs)
+
+    def score_logits(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``score`` of chosen ``token_ids`` [N] given each row's raw ``logits`` [N, V_graph]."""
+        return self.score(torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1), token_ids, rows)
+
+    def exponential_noise(self, generator: torch.Generator | None, num_rows: int,
+                          device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [num_rows, vocab_size] as ``__call__`` draws it for rows with this generator
+        (None: the sampler's shared one); a row drawn alone equals one sampled row of ``__call__``."""
+        return self._exponential_noise([generator] * num_rows, device)
+
+    def uniform(self, generator: torch.Generator | None, device: torch.device) -> float:
+        """One U[0, 1) draw from ``generator`` (None: the sampler's shared generator)."""
+        generator = generator if generator is not None else self._shared_generator(device)
+        return float(torch.rand(1, generator=generator, device=generator.device))
 
     def prompt_logprobs(
         self, logits: torch.Tensor, prompt_token_ids: Sequence[int], num_top: int
@@ -219,11 +268,17 @@ class Sampler:
         random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return token_ids
+        random_index = _int64(random_rows, logits.device)
+        probs = self._random_probs(logits[random_index], [rows[index].params for index in random_rows])
+        noise = self._exponential_noise([rows[index].generator for index in random_rows], logits.device)
+        token_ids[random_index] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    def _random_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p applied to processed logits: unnormalized after min-p."""
         device = logits.device
-        random_index = _int64(random_rows, device)
-        params = [rows[index].params for index in random_rows]
         temperature = _float32([p.temperature for p in params], device).unsqueeze(1)
-        scaled = logits[random_index] / temperature
+        scaled = logits / temperature
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         if any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
@@ -233,9 +288,7 @@ class Sampler:
         if any(min_p):
             threshold = _float32(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = self._exponential_noise([rows[index].generator for index in random_rows], device)
-        token_ids[random_index] = (probs / noise).argmax(dim=-1)
-        return token_ids
+        return probs
 
     def _exponential_noise(
         self, generators: list[torch.Generator | None], device: torch.device

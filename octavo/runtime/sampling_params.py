@@ -18,6 +18,8 @@ Semantics follow vLLM's ``SamplingParams`` (which follows the OpenAI completions
 - ``skip_special_tokens``, ``spaces_between_special_tokens``: detokenization options.
 - ``logit_bias``: token id -> bias added to the logit; keys may be ints or decimal strings (JSON),
   values are clamped to [-100, 100] as the OpenAI API specifies.
+- ``speculative``: False opts this request out of speculative decoding (when the engine has it on);
+  speculation never changes what is sampled, only how fast.
 
 Invalid values raise :class:`octavo.errors.RequestError` with a one-line message naming the field.
 """
@@ -103,6 +105,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -213,6 +216,7 @@ class SamplingParams:
             "ignore_eos",
             "skip_special_tokens",
             "spaces_between_special_tokens",
+            "speculative",
         ):
             _check_bool(name, getattr(self, name))
 

@@ -16,15 +16,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScheduledSequence:
-    """A sequence's share of one step: `num_new_tokens` query tokens from `num_computed_tokens` on."""
+    """A sequence's share of one step: `num_new_tokens` query tokens from `num_computed_tokens` on.
+
+    With speculative decoding, the last `len(spec_token_ids)` of them are proposed tokens that
+    follow the sequence's newest token (they are not in `seq.token_ids`), verified in this step.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Query tokens of the sequence's own token list (the proposed ones excluded)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's newest token, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_real_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -95,10 +105,14 @@ class Scheduler:
 
     # ---- one step ----
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """`proposals`: speculative tokens to verify after running decodes' newest tokens. They are
+        cut to the budget left once every decode has its own token, and to the free blocks: a
+        proposal never preempts a sequence."""
         output = SchedulerOutput()
         decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         prefills = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        spare = self.max_num_batched_tokens - min(len(decodes), self.max_num_seqs)
         for seq in decodes + prefills:
             budget = self.max_num_batched_tokens - output.num_batched_tokens
             if budget == 0 or len(output.scheduled) == self.max_num_seqs:
@@ -106,28 +120,41 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if self._reserve_blocks(seq, num_new, output):
-                output.scheduled.append(ScheduledSequence(seq, num_new))
+            spec = self._fit_proposals(seq, num_new, (proposals or {}).get(seq, ()), min(spare, budget - num_new))
+            spare -= len(spec)
+            if self._reserve_blocks(seq, num_new, output, len(spec)):
+                output.scheduled.append(ScheduledSequence(seq, num_new + len(spec), spec))
         if not output.preempted:
             self._swap_in(output)
         if not output.preempted and not self.swapped:
             self._admit_waiting(output)
         return output
 
-    def _reserve_blocks(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> bool:
-        """Allocate blocks for `seq`, preempting the worst running sequences while needed.
+    def _fit_proposals(self, seq: Sequence, num_new: int, proposal, limit: int) -> list[int]:
+        """The longest prefix of `proposal` (at most `limit` tokens) whose slots fit in free blocks."""
+        if num_new != seq.num_uncomputed_tokens:
+            return []  # only a sequence whose newest token is computed this step can verify proposals
+        spec = list(proposal[:max(0, limit)])
+        end = seq.num_computed_tokens + num_new
+        while spec and not self.block_manager.can_allocate(seq, end + len(spec)):
+            spec.pop()
+        return spec
+
+    def _reserve_blocks(self, seq: Sequence, num_new: int, output: SchedulerOutput, num_spec: int = 0) -> bool:
+        """Allocate blocks for `seq` (and `num_spec` proposed tokens after its new ones), preempting
+        the worst running sequences while needed. Only the new tokens' blocks enter the prefix cache.
 
         Sequences with nothing to compute (scored beams waiting for their round to end) go first:
         they lose no work this step, and a beam still to be scored must not wait on them.
         """
         needed = seq.num_computed_tokens + num_new
-        while not self.block_manager.can_allocate(seq, needed):
+        while not self.block_manager.can_allocate(seq, needed + num_spec):
             victim = max(self.running, key=lambda other: (other.num_uncomputed_tokens == 0, self._queue_key(other)))
             self.preempt(victim, output)
             output.scheduled = [item for item in output.scheduled if item.seq is not victim]
             if victim is seq:
                 return False
-        self.block_manager.allocate(seq, needed)
+        self.block_manager.allocate(seq, needed + num_spec)
         self.block_manager.cache_full_blocks(seq, needed)
         return True
 

@@ -57,6 +57,40 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+        if metrics.speculative is not None:
+            yield from self._speculative(metrics.speculative)
+
+    def _speculative(self, spec) -> Iterator[Metric]:
+        """Speculative decoding: what was proposed and accepted, and (separately) what it bought in time."""
+        counters = {
+            "octavo_spec_decode_num_drafts": ("Verifications of proposals (sequence x step)", spec.num_verifications),
+            "octavo_spec_decode_num_draft_tokens": ("Proposed tokens verified", spec.proposed_tokens),
+            "octavo_spec_decode_num_accepted_tokens": ("Proposed tokens accepted", spec.accepted_tokens),
+            "octavo_spec_decode_num_emitted_tokens": ("Tokens emitted by verifications", spec.emitted_tokens),
+        }
+        for name, (documentation, value) in counters.items():
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+        per_position = CounterMetricFamily("octavo_spec_decode_num_accepted_tokens_per_pos",
+                                           "Proposed tokens accepted, by position in the proposal",
+                                           labels=["model_name", "position"])
+        for position, accepted in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], accepted)
+        yield per_position
+        gauges = {
+            "octavo_spec_decode_acceptance_rate": ("Accepted / proposed tokens", spec.acceptance_rate),
+            "octavo_spec_decode_mean_accepted_length": ("Accepted tokens per verification",
+                                                        spec.mean_accepted_length),
+            "octavo_spec_decode_tokens_per_step": ("Tokens a verifying sequence gains per target step",
+                                                   spec.tokens_per_step),
+            "octavo_spec_decode_speedup": ("Estimated time without speculation / measured time, same tokens",
+                                           spec.speedup),
+        }
+        for name, (documentation, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
 
 
 class ServerMetrics:
