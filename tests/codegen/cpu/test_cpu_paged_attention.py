@@ -32,6 +32,7 @@ EDGE_CASES = {
     "sliding-window-bf16": ([(20, 20), (24, 1)], 4, 6, 2, 64, torch.bfloat16, 6),
     "sliding-window-long": ([(300, 1), (200, 1), (150, 70)], 16, 6, 2, 64, torch.float32, 100),
     "head-dim-not-a-vector-multiple": ([(33, 1), (20, 20)], 16, 4, 2, 80, torch.float16, -1),
+    "head-dim-8-fp32": ([(5, 1), (3, 3)], 4, 4, 2, 8, torch.float32, -1),
     "block-larger-than-chunk": ([(300, 1), (130, 1), (90, 30)], 128, 4, 2, 64, torch.float32, -1),
 }
 
@@ -49,6 +50,7 @@ def assert_matches_reference(batch: dict) -> torch.Tensor:
     rows = int(batch["query_start_loc"][-1])  # padding tokens' rows have no defined value
     dtype = batch["query"].dtype
     assert output.shape == expected.shape and output.dtype == dtype
+    assert output.is_contiguous(), "graphs view the result as [tokens, heads * head_dim]"
     assert not output[:rows].isnan().any()
     torch.testing.assert_close(output[:rows], expected[:rows], **TOLERANCE[dtype])
     for name in CACHES:

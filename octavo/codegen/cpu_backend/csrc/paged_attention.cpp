@@ -593,7 +593,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     attend<decltype(tag)>(problem, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(), batch);
   });
   if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
-  return output_f.narrow(2, 0, value_dim).to(query.scalar_type());
+  // Contiguous like the reference op's result: graphs view it as [tokens, heads * value_dim].
+  return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
 }
 
 // How paged_attention would split a batch into work items: {prefill tiles, shared (cascade) chunks, chunks
