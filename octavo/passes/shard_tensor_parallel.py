@@ -22,7 +22,7 @@ from octavo.passes.tensor_parallel_layout import (
     vocab_rows,
     vocab_shard,
 )
-from octavo.passes.tensor_parallel_patterns import VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
+from octavo.passes.tensor_parallel_patterns import LINEARS, VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
 
 aten = torch.ops.aten
 octavo = torch.ops.octavo
@@ -160,7 +160,7 @@ class _Sharder:
                 split = node.args[0]
                 self._check_projection(split.args[0], role, attention)
                 return _Projection(split.args[0], split, node.args[1], path)
-            elif is_call(node, aten.linear.default):
+            elif is_call(node, *LINEARS):
                 self._check_projection(node, role, attention)
                 return _Projection(node, None, None, path)
             else:
@@ -168,7 +168,7 @@ class _Sharder:
                                 f"projection through {_describe(node)}")
 
     def _check_projection(self, linear: Node, role: str, attention: Node) -> None:
-        if not is_call(linear, aten.linear.default) or not is_weight(linear.args[1], self.ctx):
+        if not is_call(linear, *LINEARS) or not is_weight(linear.args[1], self.ctx):
             raise PassError(f"shard_tensor_parallel: the {role} of {attention.name} comes from {_describe(linear)}, "
                             "not a linear over a weight; it cannot be split by heads")
 
@@ -210,7 +210,7 @@ class _Sharder:
         path, node = [], attention
         while True:
             user = only_user(node)
-            if is_call(user, aten.linear.default) and user.args[0] is node and is_weight(user.args[1], self.ctx):
+            if is_call(user, *LINEARS) and user.args[0] is node and is_weight(user.args[1], self.ctx):
                 return path, user
             if not is_call(user, *VIEWS, *_LAYOUT_OPS):
                 raise PassError(f"shard_tensor_parallel cannot follow {attention.name}'s output to o_proj: "
@@ -231,7 +231,7 @@ class _Sharder:
         else:
             self._shard_unfused_gate_up(gate, *gate_and_up(gate))
         down = only_user(gate)
-        if not (is_call(down, aten.linear.default) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
+        if not (is_call(down, *LINEARS) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: the gated MLP output {gate.name} does not feed one down "
                             "projection linear")
         self._shard_row_parallel(down, self._intermediate_columns(down.args[1]))
@@ -245,7 +245,7 @@ class _Sharder:
 
     def _shard_fused_gate_up(self, gate: Node) -> None:
         merged = gate.args[0]
-        if not (is_call(merged, aten.linear.default) and is_weight(merged.args[1], self.ctx)):
+        if not (is_call(merged, *LINEARS) and is_weight(merged.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: {gate.name} does not read a gate/up linear directly "
                             f"({_describe(merged)})")
         total = int(self.ctx.weights[merged.args[1].name].shape[0])
@@ -273,9 +273,9 @@ class _Sharder:
     def _mlp_source(self, node: Node, gate: Node) -> tuple[Node, Node | None, int | None]:
         if is_call(node, operator.getitem) and is_call(node.args[0], aten.split_with_sizes.default):
             split = node.args[0]
-            if is_call(split.args[0], aten.linear.default) and is_weight(split.args[0].args[1], self.ctx):
+            if is_call(split.args[0], *LINEARS) and is_weight(split.args[0].args[1], self.ctx):
                 return split.args[0], split, node.args[1]
-        if is_call(node, aten.linear.default) and is_weight(node.args[1], self.ctx):
+        if is_call(node, *LINEARS) and is_weight(node.args[1], self.ctx):
             return node, None, None
         raise PassError(f"shard_tensor_parallel: an input of the gated MLP {gate.name} comes from "
                         f"{_describe(node)}, not a linear")
@@ -309,7 +309,7 @@ class _Sharder:
     def _shard_lm_head(self) -> None:
         lm_head = find_lm_head(self.graph_module)
         weight = lm_head.args[1]
-        if not is_weight(weight, self.ctx) or len(lm_head.args) > 2:
+        if not is_weight(weight, self.ctx) or any(arg is not None for arg in lm_head.args[2:]):  # a bias
             raise PassError(f"shard_tensor_parallel cannot shard the lm_head {_describe(lm_head)} by vocabulary")
         vocab = self._vocab_rows(weight)
         shard = vocab_shard(vocab, self.tp_size, self.tp_rank)

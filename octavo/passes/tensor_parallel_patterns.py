@@ -6,10 +6,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
+from octavo.ir.ops import linear as _linear  # noqa: F401  (registers octavo::linear_w16)
 from octavo.ir.ops.fused_pointwise import decode_program
 from octavo.passes.pattern_utils import is_call
 
 aten = torch.ops.aten
+
+LINEARS = (aten.linear.default, torch.ops.octavo.linear_w16.default)
+"""The linears the sharding splits: aten.linear, and octavo.linear_w16 (the same function, its weight
+stored in 16 bits), whose weight rows and columns are split the same way."""
 octavo = torch.ops.octavo
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -65,6 +70,6 @@ def find_lm_head(graph_module: GraphModule) -> Node:
     node = graph_module.graph.output_node().args[0]
     while is_call(node, *_OUTPUT_PASS_THROUGH):
         node = node.args[0]
-    if not is_call(node, aten.linear.default):
+    if not is_call(node, *LINEARS):
         raise PassError("shard_tensor_parallel found no lm_head linear feeding the graph output")
     return node
