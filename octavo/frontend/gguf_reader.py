@@ -8,24 +8,30 @@ hands that reader to every construction of a reader of the same file. The reader
 map is read-only and transformers only reads from it, so sharing it changes nothing they
 compute.
 
-For the same reason `sharing` memoizes gguf.get_tensor_name_map: transformers rebuilds
-gguf's tensor-name table (thousands of formatted names) for every submodule of the model
-(~400 for a 30-layer llama) while mapping GGUF tensor names to HF ones, always for the same
-(architecture, layer count), and only looks names up in it.
+For the same reason `sharing` memoizes two pure functions of the file:
+gguf.get_tensor_name_map (transformers rebuilds gguf's tensor-name table, thousands of
+formatted names, for every submodule of the model, ~400 for a 30-layer llama, always for the
+same architecture and layer count, and only looks names up in it), and transformers'
+metadata-only load_gguf_checkpoint(path) (it converts every metadata value, vocabulary
+included, and the config, tokenizer and model loaders each ask for it; every caller gets its
+own deep copy, so none sees another's edits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 from octavo.errors import ModelSourceError
 
 _lock = threading.RLock()
+_converted_metadata: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reader -> [load_gguf_checkpoint result]
 
 
 def read_gguf(path: Path):
@@ -48,13 +54,24 @@ def architecture_of(reader) -> str:
 def sharing(reader, path: Path) -> Iterator[None]:
     """While active, gguf.GGUFReader(`path`) (read-only) returns `reader` instead of parsing the file again.
 
-    Readers of other files, or opened for writing, are built as usual. The swap is process-wide
-    (transformers looks the class up in the gguf module), so it is held under a lock.
+    Also memoizes gguf.get_tensor_name_map and transformers' metadata-only load_gguf_checkpoint of
+    this file (the latter per reader, across `sharing` blocks; see the module docstring). Readers of
+    other files, or opened for writing, are built as usual. The swaps are process-wide (transformers
+    looks these up in their modules at each call), so they are held under a lock.
     """
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as loader
 
-    original, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    original, original_name_map, original_load = gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint
     target = os.path.realpath(path)
+    metadata = _converted_metadata.setdefault(reader, [])
+
+    def load_gguf_checkpoint(file, return_tensors=False, model_to_load=None, torch_dtype=None):
+        if return_tensors or os.path.realpath(file) != target:
+            return original_load(file, return_tensors, model_to_load, torch_dtype)
+        if not metadata:
+            metadata.append(original_load(file))
+        return copy.deepcopy(metadata[0])
 
     class SharedGGUFReader(original):
         def __new__(cls, file, mode="r"):
@@ -64,7 +81,9 @@ def sharing(reader, path: Path) -> Iterator[None]:
 
     with _lock:
         gguf.GGUFReader, gguf.get_tensor_name_map = SharedGGUFReader, functools.cache(original_name_map)
+        loader.load_gguf_checkpoint = load_gguf_checkpoint
         try:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map
+            loader.load_gguf_checkpoint = original_load
