@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from octavo.errors import ModelSourceError
 
 _lock = threading.RLock()
@@ -35,11 +37,25 @@ _converted_metadata: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # 
 
 
 def read_gguf(path: Path):
-    """A gguf.GGUFReader of `path` (read-only), or a ModelSourceError naming the file."""
+    """A gguf.GGUFReader of `path` (read-only), or a ModelSourceError naming the file.
+
+    The reader slices a plain-array view of the file's memory map rather than the np.memmap
+    itself: the same bytes and fields, but each of the million small slices a vocabulary takes
+    skips np.memmap's per-slice Python hook (half the parse time).
+    """
     try:
         import gguf
 
-        return gguf.GGUFReader(path)
+        class PlainArrayGGUFReader(gguf.GGUFReader):
+            @property
+            def data(self):
+                return self._array
+
+            @data.setter
+            def data(self, mapped):
+                self._array = mapped.view(np.ndarray)  # keeps the memory map alive as its base
+
+        return PlainArrayGGUFReader(path)
     except Exception as error:
         raise ModelSourceError(f"{path} is not a readable GGUF file: {error}") from error
 

@@ -80,7 +80,8 @@ class ModelSource:
         if self._quantized_weights is None:
             from octavo.frontend.gguf_quantized import gguf_quantized_weights
 
-            self._quantized_weights = gguf_quantized_weights(self.path, self.config, self._gguf_reader)
+            reader = self._gguf_reader or read_gguf(self.path)
+            self._quantized_weights = gguf_quantized_weights(self.path, self.config, reader)
         return self._quantized_weights
 
     def generation_config(self):
