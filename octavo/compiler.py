@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from octavo.errors import OctavoError
 from octavo.eval.corpus import calibration_text, text_digest
 from octavo.frontend import load_model, trace
 from octavo.frontend.sources import ModelSource
-from octavo.frontend.trace import TracedModel
+from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
@@ -45,14 +46,14 @@ def compile_model(source: str | os.PathLike | ModelSource, output_dir: str | os.
     config = _checked_config(config, output_dir, overwrite)
     stage = on_stage or (lambda message: logger.info(message))
     timings: dict[str, float] = {}
-    start = time.perf_counter()
-    model_source = source if isinstance(source, ModelSource) else load_model(source)
-    timings["load_source_s"] = time.perf_counter() - start
+    with _timed(timings, "load_source"):
+        model_source = source if isinstance(source, ModelSource) else load_model(source)
     weights = "" if config.storage_dtype == config.dtype else f", {config.storage_dtype} weights"
     stage(f"tracing {model_source.name} ({model_source.config.model_type}, {config.dtype}{weights})")
-    start = time.perf_counter()
-    traced = trace(model_source, config.dtype)
-    timings["trace_s"] = time.perf_counter() - start
+    with _timed(timings, "load_weights"):
+        module = model_source.load_module(config.dtype)
+    with _timed(timings, "trace"):
+        traced = trace_module(module)
     return _compile_traced(model_source, traced, output_dir, config, timings, overwrite, on_print_ir, stage)
 
 
@@ -84,6 +85,15 @@ def compile_variants(source: str | os.PathLike | ModelSource,
     return paths
 
 
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
+    """Record the wall (`<stage>_s`) and CPU (`<stage>_cpu_s`, all threads) seconds of the block."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    timings[f"{stage}_s"] = time.perf_counter() - wall
+    timings[f"{stage}_cpu_s"] = time.process_time() - cpu
+
+
 def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -> CompileConfig:
     config = resolve_precision(config or CompileConfig())
     scheme_for(config)  # an unknown or not yet available scheme fails before any work
@@ -105,9 +115,8 @@ def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, 
                       provided_weights=_provided_weights(model_source, traced, config),
                       calibration=_calibration(model_source, config))
     stage("running passes")
-    start = time.perf_counter()
-    graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
-    timings["passes_s"] = time.perf_counter() - start
+    with _timed(timings, "passes"):
+        graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
     timings.update({f"shape_propagation_{key}": value for key, value in ctx.propagation_timings.items()})
     if config.stop_after is not None or output_dir is None:
         logger.info("stopped after pass %s: no artifact written", config.stop_after)

@@ -15,6 +15,7 @@ import torch
 
 from octavo.errors import ModelSourceError
 from octavo.frontend.architectures import Architecture, architecture_for
+from octavo.frontend.gguf_reader import architecture_of, read_gguf, sharing
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,28 @@ class ModelSource:
     gguf_file: str | None = None
     _generation_config: object = field(default=None, repr=False)
     _quantized_weights: dict | None = field(default=None, repr=False)
+    _gguf_reader: object = field(default=None, repr=False)
 
     @property
     def directory(self) -> Path:
         return self.path.parent if self.gguf_file else self.path
 
     def load_module(self, dtype: str) -> torch.nn.Module:
-        """The Hugging Face model in eval mode, with SDPA attention, weights in `dtype`."""
+        """The Hugging Face model in eval mode, with SDPA attention, weights in `dtype`.
+
+        A GGUF source reuses the metadata parsed by load_model, then lets it go (it holds
+        ~170 MB of small objects for a 49k vocabulary; a later load parses the file again).
+        """
         from transformers import AutoModelForCausalLM
 
-        kwargs = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            self.directory, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa",
-            local_files_only=True, **kwargs)
+        if not self.gguf_file:
+            return AutoModelForCausalLM.from_pretrained(
+                self.directory, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa", local_files_only=True).eval()
+        reader, self._gguf_reader = self._gguf_reader or read_gguf(self.path), None
+        with sharing(reader, self.path):
+            model = AutoModelForCausalLM.from_pretrained(
+                self.directory, gguf_file=self.gguf_file, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa",
+                local_files_only=True)
         return model.eval()
 
     def quantized_weights(self) -> dict:
@@ -70,7 +80,8 @@ class ModelSource:
         if self._quantized_weights is None:
             from octavo.frontend.gguf_quantized import gguf_quantized_weights
 
-            self._quantized_weights = gguf_quantized_weights(self.path, self.config)
+            reader = self._gguf_reader or read_gguf(self.path)
+            self._quantized_weights = gguf_quantized_weights(self.path, self.config, reader)
         return self._quantized_weights
 
     def generation_config(self):
@@ -150,14 +161,16 @@ def _from_gguf(name: str, path: Path, kind: str) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     directory, filename = path.parent, path.name
-    _check_model_type(_gguf_model_type(path))
-    config = _read_config(
-        lambda: AutoConfig.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
-    architecture = architecture_for(config)
-    tokenizer = _read_tokenizer(
-        lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
+    reader = read_gguf(path)  # parsed once, for every transformers reader of the file below and in load_module
+    _check_model_type(_gguf_model_type(reader, path))
+    with sharing(reader, path):
+        config = _read_config(
+            lambda: AutoConfig.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
+        architecture = architecture_for(config)
+        tokenizer = _read_tokenizer(
+            lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
     return ModelSource(name, kind, path, config, tokenizer, architecture, _sha256_files([path]),
-                       gguf_file=filename)
+                       gguf_file=filename, _gguf_reader=reader)
 
 
 def _check_model_type(model_type: str | None) -> None:
@@ -172,14 +185,10 @@ def _config_model_type(config_path: Path) -> str | None:
         raise ModelSourceError(f"cannot read {config_path}: {error}") from error
 
 
-def _gguf_model_type(path: Path) -> str | None:
-    """general.architecture of a GGUF file (GGUF names match HF model types for our table)."""
+def _gguf_model_type(reader, path: Path) -> str | None:
+    """general.architecture of a parsed GGUF file (GGUF names match HF model types for our table)."""
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
+        return architecture_of(reader)
     except Exception as error:
         raise ModelSourceError(f"{path} is not a readable GGUF file: {error}") from error
 

@@ -16,7 +16,7 @@ from octavo.errors import OctavoError, PassError
 from octavo.ir.graph import format_graph, op_histogram, verify_graph
 from octavo.passes.context import PassContext
 from octavo.passes.registry import PassInfo, resolve_pipeline
-from octavo.passes.shape_propagation import check_full_propagation, propagate_all, propagate_changed
+from octavo.passes.shape_propagation import adopt_traced_values, check_full_propagation, propagate_changed
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def run_pipeline(graph_module: GraphModule, ctx: PassContext, pipeline: str | li
     passes = resolve_pipeline(pipeline, ctx.config.disabled_passes, ctx.config)
     _check_pass_names(ctx, passes)
     start = time.perf_counter()
-    propagate_all(graph_module, ctx.fake_mode)
+    adopt_traced_values(graph_module, ctx.fake_mode)
     ctx.propagation_timings["initial_s"] = round(time.perf_counter() - start, 4)
     dumper = GraphDumper(Path(ctx.config.dump_dir)) if ctx.config.dump_dir else None
     if dumper:
@@ -51,6 +51,7 @@ def run_pipeline(graph_module: GraphModule, ctx: PassContext, pipeline: str | li
             on_print_ir(info.name, format_graph(graph_module, ctx.symbol_names()))
         if info.name == ctx.config.stop_after:
             break
+    graph_module.recompile()  # once: the passes read and rewrite the graph, never the generated code
     start = time.perf_counter()
     check_full_propagation(graph_module, ctx.fake_mode)
     ctx.propagation_timings["final_check_s"] = round(time.perf_counter() - start, 4)
@@ -67,7 +68,6 @@ def _run_one(graph_module: GraphModule, ctx: PassContext, info: PassInfo) -> Gra
         raise
     except Exception as error:
         raise PassError(f"pass {info.name} failed: {type(error).__name__}: {error}") from error
-    graph_module.recompile()
     elapsed = time.perf_counter() - start
     start = time.perf_counter()
     verify_graph(graph_module)

@@ -69,6 +69,37 @@ def propagate_all(graph_module: GraphModule, fake_mode) -> None:
             node.meta[_RECORD] = describe(node.meta.get("val"))
 
 
+def adopt_traced_values(graph_module: GraphModule, fake_mode) -> int:
+    """Take the values the tracer left in meta["val"] as propagated; returns how many nodes had to be computed.
+
+    torch.export annotates every node with the fake value it computed, in the same fake mode and
+    by the same op implementations as a propagation, so running the whole graph again only to
+    annotate it repeats that work. This records each node's inputs as a propagation would and
+    computes only the nodes that carry no value. Should any value be in another fake mode, the
+    whole graph is propagated instead. Nothing is taken on trust for good: the manager's final
+    `check_full_propagation` recomputes every node from the placeholders and compares.
+    """
+    nodes = list(graph_module.graph.nodes)
+    if any(mode is not fake_mode for node in nodes for mode in _fake_modes(node.meta.get("val"))):
+        propagate_all(graph_module, fake_mode)
+        return len(nodes)
+    for node in nodes:
+        if node.op == "placeholder":
+            node.meta[_RECORD] = describe(node.meta.get("val"))
+        elif node.op == "call_function" and "val" in node.meta:
+            node.meta[_RECORD] = _record(node)
+    return propagate_changed(graph_module, fake_mode)
+
+
+def _fake_modes(value: Any):
+    """The fake mode of every tensor in `value` (None for a real tensor)."""
+    if isinstance(value, torch.Tensor):
+        yield getattr(value, "fake_mode", None)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _fake_modes(item)
+
+
 def check_full_propagation(graph_module: GraphModule, fake_mode) -> None:
     """Propagate the whole graph and fail naming the first node whose incremental value differed."""
     before = {node: describe(node.meta.get("val")) for node in graph_module.graph.nodes}

@@ -11,6 +11,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from octavo.errors import PassError
 from octavo.passes.shape_propagation import (
+    adopt_traced_values,
     check_full_propagation,
     describe,
     propagate_all,
@@ -80,4 +81,40 @@ def test_a_placeholder_given_another_shape_recomputes_its_users(graph):
     assert propagate_changed(module, fake_mode) == len(computed)  # every node depends on the weight
     assert describe(node_with(module, aten.sum.dim_IntList).meta["val"]) == ("torch.float32", ("4",))
     assert describe(node_with(module, aten.relu.default).meta["val"]) == ("torch.float32", ("4", "3"))
+    check_full_propagation(module, fake_mode)
+
+
+@pytest.fixture
+def traced() -> tuple[GraphModule, FakeTensorMode]:
+    """A graph traced on fake tensors: every node carries the value the tracer computed."""
+    module = make_fx(chain, tracing_mode="fake")(torch.randn(4, 8), torch.randn(6, 8))
+    fake_mode = next(node for node in module.graph.nodes if node.op == "placeholder").meta["val"].fake_mode
+    return module, fake_mode
+
+
+def test_traced_values_are_adopted_without_recomputation(traced):
+    module, fake_mode = traced
+    values = {node: node.meta["val"] for node in module.graph.nodes if node.op == "call_function"}
+    assert adopt_traced_values(module, fake_mode) == 0
+    assert all(node.meta["val"] is value for node, value in values.items())
+    assert propagate_changed(module, fake_mode) == 0
+    check_full_propagation(module, fake_mode)
+
+
+def test_a_node_without_a_traced_value_is_computed(traced):
+    module, fake_mode = traced
+    del node_with(module, aten.relu.default).meta["val"]
+    assert adopt_traced_values(module, fake_mode) == 2  # relu, and the sum it feeds (its input was unknown)
+    assert describe(node_with(module, aten.relu.default).meta["val"]) == ("torch.float32", ("4", "6"))
+    check_full_propagation(module, fake_mode)
+
+
+def test_values_of_another_fake_mode_are_propagated_again(traced):
+    module, _ = traced
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        for node, shape in zip((n for n in module.graph.nodes if n.op == "placeholder"), ((4, 8), (6, 8)), strict=True):
+            node.meta["val"] = torch.empty(shape)
+    adopt_traced_values(module, fake_mode)
+    assert all(node.meta["val"].fake_mode is fake_mode for node in module.graph.nodes if node.op == "call_function")
     check_full_propagation(module, fake_mode)
