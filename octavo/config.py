@@ -48,6 +48,7 @@ class CompileConfig:
     kv_cache_dtype: str = "auto"
     calibration: str | None = None
     vocab_quant: str = "int8"
+    gptq_act_order: bool = False
     dump_dir: str | None = None
     stop_after: str | None = None
     print_ir_after: tuple[str, ...] = ()
@@ -103,6 +104,8 @@ class CompileConfig:
         key: dict = {}
         if self.quant != "none":
             key.update(quant=self.quant, group_size=self.group_size, vocab_quant=self.vocab_quant)
+        if self.gptq_act_order:
+            key["gptq_act_order"] = True
         if self.kv_cache_dtype != "auto":
             key["kv_cache_dtype"] = self.kv_cache_dtype
         if self.calibration is not None:

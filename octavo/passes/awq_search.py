@@ -5,16 +5,15 @@ each ``alpha`` of the grid gives ``s = m ** alpha`` (clamped below at 1e-4), nor
 ``sqrt(max(s) * min(s))``. The weights become ``Q(W diag(s)) diag(s)^-1`` (the input is
 divided by s where it is produced: folded into a norm weight or the producing linear's
 rows); the loss is the mean squared output error of the group's linears against the float
-output on sampled calibration inputs X [n, K]: ``mean((X (Q(W s) / s - W)^T)^2)`` summed over the
-group's weights. The alpha with the smallest loss wins (alpha = 0, s = 1, is plain RTN, so
-the chosen scales never do worse than RTN on that loss). ``tie`` maps channels that must
-share one scale (an o_proj input whose channels come from one value channel under GQA) to
-a class: m is averaged over each class first.
+output over every calibration row, ``sum((E X^T X) * E) / n`` with ``E = Q(W s) / s - W``, summed
+over the group's weights (the Gram matrix gives it exactly without keeping the rows). The
+alpha with the smallest loss wins (alpha = 0, s = 1, is plain RTN, so the chosen scales never
+do worse than RTN on that loss).
 
 Clipping search. For each row n and group g of a (scaled) weight, the range is clamped to
 ``[-c, c]`` with ``c = max|w| * (1 - i / 20)`` for i in 0..9 before RTN; the error of that
 group's part of the output over every calibration token is ``d^T G_g d`` with ``d`` the
-group's weight error and ``G_g`` the group's block of ``X^T X`` (GramBlocks); the c with the
+group's weight error and ``G_g`` the group's diagonal block of ``X^T X``; the c with the
 smallest error wins, per row and group (i = 0 is no clipping).
 """
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octavo.ir.quantized_layout import num_groups
 from octavo.passes.quantize_rtn import fake_quantize_w4
 
 DEFAULT_ALPHA_GRID = tuple(index / 20 for index in range(20))
@@ -32,77 +30,55 @@ CLIP_MAX_SHRINK = 0.5
 _MIN_SCALE = 1e-4
 
 
-def mean_abs(inputs: Tensor) -> Tensor:
-    """Per-channel mean |x| over every row of inputs [..., K], float32 [K]."""
-    return inputs.reshape(-1, inputs.shape[-1]).float().abs().mean(0)
-
-
-def tied_mean(values: Tensor, tie: Tensor | None) -> Tensor:
-    """`values` [K] averaged over the channels of each class of `tie` [K] (class ids), gathered back to [K]."""
-    if tie is None:
-        return values
-    classes = int(tie.max()) + 1
-    sums = torch.zeros(classes, dtype=values.dtype).index_add_(0, tie, values)
-    counts = torch.zeros(classes, dtype=values.dtype).index_add_(0, tie, torch.ones_like(values))
-    return (sums / counts)[tie]
-
-
 def scales_for(activation_mean: Tensor, alpha: float) -> Tensor:
     """AWQ's per-channel scales ``m ** alpha``, clamped at 1e-4 and normalized by sqrt(max * min)."""
     scales = activation_mean.pow(alpha).clamp(min=_MIN_SCALE)
     return scales / (scales.max() * scales.min()).sqrt()
 
 
-def search_scales(weights: list[Tensor], sample: Tensor, activation_mean: Tensor, group_size: int,
+def search_scales(weights: list[Tensor], gram: Tensor, activation_mean: Tensor, group_size: int,
                   grid: tuple[float, ...] = DEFAULT_ALPHA_GRID) -> tuple[Tensor, float, list[float]]:
-    """(scales [K], the chosen alpha, the loss of every alpha) for `weights` (each [N_i, K]) on `sample` [n, K]."""
-    sample = sample.float()
+    """(scales [K], the chosen alpha, the loss of every alpha) for `weights` (each [N_i, K]) reading one input.
+
+    `gram` [K, K] is ``X^T X / n`` of that input over the calibration rows, so the loss of
+    an alpha, ``sum_i sum((E_i gram) * E_i) / sum_i N_i`` with ``E_i = Q(W_i s) / s - W_i``, is
+    the mean squared output error over every calibration row (exactly, not on a sample).
+    """
+    gram = gram.float()
     losses = []
     best = (float("inf"), 0.0, torch.ones_like(activation_mean))
     for alpha in grid:
         scales = scales_for(activation_mean, alpha)
-        loss = 0.0
-        for weight in weights:
-            weight = weight.float()
-            error = fake_quantize_w4(weight * scales, group_size) / scales - weight
-            loss += float(torch.mm(sample, error.T).pow(2).mean()) * weight.shape[0]
-        loss /= sum(weight.shape[0] for weight in weights)
+        loss = sum(output_error(weight, fake_quantize_w4(weight.float() * scales, group_size) / scales, gram)
+                   for weight in weights) / sum(weight.shape[0] for weight in weights)
         losses.append(loss)
         if loss < best[0]:
             best = (loss, alpha, scales)
     return best[2], best[1], losses
 
 
-class GramBlocks:
-    """The diagonal blocks ``X_g^T X_g`` [num_groups, group_size, group_size] of the inputs' Gram matrix, float32.
+def output_error(weight: Tensor, approximation: Tensor, gram: Tensor) -> float:
+    """``sum((E gram) * E)`` for ``E = approximation - weight``: the squared output error summed over rows."""
+    error = approximation.float() - weight.float()
+    return float((error @ gram * error).sum())
 
-    A short last group is zero-padded (its padding rows and columns stay 0).
-    """
 
-    def __init__(self, in_features: int, group_size: int):
-        self.in_features, self.group_size = in_features, group_size
-        self.blocks = torch.zeros(num_groups(in_features, group_size), group_size, group_size)
-        self.rows = 0
-
-    def add(self, inputs: Tensor) -> None:
-        rows = _padded(inputs.reshape(-1, self.in_features).float(), self.group_size)
-        grouped = rows.view(rows.shape[0], -1, self.group_size).transpose(0, 1)  # [G, n, gs]
-        self.blocks.baddbmm_(grouped.transpose(1, 2), grouped)
-        self.rows += rows.shape[0]
-
-    def scaled(self, scales: Tensor) -> Tensor:
-        """The blocks of the Gram of ``X / scales`` (the input after scales are folded upstream)."""
-        inverse = _padded(1.0 / scales.float().unsqueeze(0), self.group_size).view(-1, self.group_size)
-        return self.blocks * inverse.unsqueeze(2) * inverse.unsqueeze(1)
+def gram_blocks(gram: Tensor, group_size: int) -> Tensor:
+    """The diagonal blocks [num_groups, gs, gs] of `gram` [K, K]; a short last group's padding is 0."""
+    columns = gram.shape[0]
+    padded = torch.nn.functional.pad(gram.float(), (0, -columns % group_size, 0, -columns % group_size))
+    groups = padded.shape[0] // group_size
+    blocks = padded.view(groups, group_size, groups, group_size)
+    return blocks[torch.arange(groups), :, torch.arange(groups), :]
 
 
 def search_clip(weight: Tensor, blocks: Tensor, group_size: int) -> Tensor:
     """Per row and group, the clipping bound c [N, num_groups] that minimizes the group's output error (see above).
 
-    `blocks` is GramBlocks' [num_groups, gs, gs] for this weight's input (scaled like the weight's columns).
+    `blocks` is gram_blocks' [num_groups, gs, gs] of this weight's input (scaled like the weight's columns).
     """
     weight = weight.float()
-    rows, columns = weight.shape
+    rows = weight.shape[0]
     original_max = _grouped_abs_max(weight, group_size)
     best_error = torch.full_like(original_max, float("inf"))
     best_bound = original_max.clone()

@@ -68,7 +68,7 @@ def w4_scale_dtype(weight: Tensor) -> torch.dtype:
 
 
 def w4_range_params(low: Tensor, high: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """(scales, offsets) in `scale_dtype` of groups whose values span [low, high]: offset low, step (high - low) / 15."""
+    """(scales, offsets) in `scale_dtype` of groups spanning [low, high]: offset low, step (high - low) / 15."""
     if scale_dtype is None:
         scale_dtype = w4_scale_dtype(torch.stack([low, high])) if low.numel() else torch.float16
     return ((high - low) / 15.0).to(scale_dtype), low.to(scale_dtype)
