@@ -78,6 +78,8 @@ class CompileConfig:
         if self.vocab_quant not in VOCAB_QUANT:
             raise OctavoError(f"unknown vocab quantization {self.vocab_quant!r}: choose one of "
                               f"{', '.join(VOCAB_QUANT)}")
+        if self.gptq_act_order and self.quant != "w4-gptq":
+            raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq, not {self.quant}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
 

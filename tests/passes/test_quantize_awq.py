@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from octavo.config import CompileConfig
-from octavo.frontend.architectures import architecture_for
-from octavo.frontend.calibration import collect_linear_inputs
 from octavo.ir.linear_input_stats import LinearInputStats
-from octavo.passes import PassContext, run_pipeline
+from octavo.passes import run_pipeline
 from octavo.passes.awq_search import clip_groups, gram_blocks, output_error, search_clip, search_scales
-from octavo.passes.quant_schemes import Calibration, scheme_for
+from octavo.passes.quant_schemes import scheme_for
 from octavo.passes.quantize_rtn import fake_quantize_w4, quantize_w4
-from tests.passes.fusion_harness import ALL_PASSES, Compiled, clone_graph, compiled, run_steps, traced_model
+from tests.passes.calibration_harness import calibrated_context, fused_llama
+from tests.passes.fusion_harness import clone_graph, run_steps, traced_model
 
 GROUP = 16
-
-
-@functools.cache
-def calibration() -> Calibration:
-    """Statistics of the tiny llama's linear inputs over two runs of random tokens."""
-    _, traced = traced_model("llama", "float32")
-    generator = torch.Generator().manual_seed(0)
-    runs = [torch.randint(0, 49152, (48,), generator=generator).tolist() for _ in range(2)]
-    stats = collect_linear_inputs(traced.graph_module, traced.weights, runs)
-    return Calibration("test", "0" * 64, sum(runs, []), stats, len(runs), 96)
-
-
-def _context(base: Compiled, **options) -> PassContext:
-    model, traced = traced_model("llama", "float32")
-    return PassContext(config=CompileConfig(quant="w4-awq", group_size=GROUP, **options),
-                       weights=dict(base.ctx.weights), model_config=model.config,
-                       architecture=architecture_for(model.config), fake_mode=traced.fake_mode,
-                       symbols={"T": traced.num_tokens}, merged_weights=dict(base.ctx.merged_weights),
-                       calibration=calibration(), kv_layout=base.ctx.kv_layout)
 
 
 def test_folding_keeps_the_float_function():
@@ -46,8 +23,8 @@ def test_folding_keeps_the_float_function():
     its magnitude; through two layers and the attention that stays far below 1e-5 of the
     largest output, while the folds change weights by factors of up to the scales' spread (>>1e-5).
     """
-    base = compiled("llama", "float32", tuple(ALL_PASSES))
-    ctx = _context(base)
+    base = fused_llama()
+    ctx = calibrated_context(base, quant="w4-awq", group_size=GROUP)
     scheme = scheme_for(ctx.config)
     scheme.prepare(base.graph_module, ctx)
     assert scheme.record["folded"] == 3 * 2  # qkv and gate_up after their norms, down after up; 2 layers
@@ -117,10 +94,26 @@ def test_clipping_picks_per_group_the_bound_of_least_output_error():
 
 
 def test_the_scheme_quantizes_every_linear_and_records_the_folds():
-    base = compiled("llama", "float32", tuple(ALL_PASSES))
-    ctx = _context(base)
+    base = fused_llama()
+    ctx = calibrated_context(base, quant="w4-awq", group_size=GROUP)
     graph_module = run_pipeline(clone_graph(base.graph_module), ctx, ["quantize_weights"])
     record = ctx.quantization
     assert record["scheme"] == "w4-awq" and record["values"] == {"awq": 8, "rtn": 2}
     assert record["awq"]["folded"] == 6 and record["calibration"]["source"] == "test"
     assert len(graph_module.graph.find_nodes(op="call_function", target=torch.ops.octavo.linear_w4.default)) == 8
+
+
+def test_sites_whose_weights_keep_supplied_values_are_left_unscaled():
+    """A GGUF Q4 value at the scheme's group size is stored as it is, so scaling its input would change the model."""
+    base = fused_llama()
+    ctx = calibrated_context(base, quant="w4-awq", group_size=GROUP)
+    prefix = "model_layers_0_self_attn_"
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = f"{prefix}{part}_weight"
+        ctx.provided_weights[name] = quantize_w4(traced_model("llama", "float32")[1].weights[name], GROUP)
+    scheme = scheme_for(ctx.config)
+    scheme.prepare(base.graph_module, ctx)
+    assert scheme.record["left_unscaled"] == 1 and scheme.record["folded"] == 5
+    norm = "model_layers_0_input_layernorm_weight"
+    assert torch.equal(ctx.weights[norm], base.ctx.weights[norm])
+
