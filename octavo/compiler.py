@@ -107,11 +107,15 @@ def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, 
     `calibrations` (compile_variants) keeps calibration statistics by dtype and text, so
     several calibrated variants of one model run the float model on the text once.
     """
+    start = time.perf_counter()
+    calibration = _calibration(model_source, traced, config, stage, calibrations)
+    if calibration is not None:
+        timings["calibration_s"] = time.perf_counter() - start
     ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
                       architecture=model_source.architecture, fake_mode=traced.fake_mode,
                       symbols={"T": traced.num_tokens},
                       provided_weights=_provided_weights(model_source, traced, config),
-                      calibration=_calibration(model_source, traced, config, stage, calibrations))
+                      calibration=calibration)
     stage("running passes")
     start = time.perf_counter()
     graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
