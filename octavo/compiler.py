@@ -20,6 +20,7 @@ from octavo.config import CompileConfig
 from octavo.errors import OctavoError
 from octavo.eval.corpus import calibration_text, text_digest
 from octavo.frontend import load_model, trace
+from octavo.frontend.calibration import collect_linear_inputs
 from octavo.frontend.sources import ModelSource
 from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import format_value, op_histogram
@@ -71,6 +72,7 @@ def compile_variants(source: str | os.PathLike | ModelSource,
     model_source = source if isinstance(source, ModelSource) else load_model(source)
     load_seconds = time.perf_counter() - start
     traces: dict[str, TracedModel] = {}
+    calibrations: dict = {}
     paths = []
     for output_dir, config in variants:
         config = _checked_config(config, output_dir, overwrite)
@@ -81,7 +83,8 @@ def compile_variants(source: str | os.PathLike | ModelSource,
             traces[config.dtype] = trace(model_source, config.dtype)
         traced = traces[config.dtype].copy()
         timings["trace_s"] = time.perf_counter() - start
-        paths.append(_compile_traced(model_source, traced, output_dir, config, timings, overwrite, None, stage))
+        paths.append(_compile_traced(model_source, traced, output_dir, config, timings, overwrite, None, stage,
+                                     calibrations))
     return paths
 
 
@@ -107,13 +110,22 @@ def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -
 
 
 def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, config: CompileConfig,
-                    timings: dict[str, float], overwrite: bool, on_print_ir, stage) -> Path | None:
-    """Passes on a traced graph, then the artifact (see compile_model)."""
+                    timings: dict[str, float], overwrite: bool, on_print_ir, stage,
+                    calibrations: dict | None = None) -> Path | None:
+    """Passes on a traced graph, then the artifact (see compile_model).
+
+    `calibrations` (compile_variants) keeps calibration statistics by dtype and text, so
+    several calibrated variants of one model run the float model on the text once.
+    """
+    start = time.perf_counter()
+    calibration = _calibration(model_source, traced, config, stage, calibrations)
+    if calibration is not None:
+        timings["calibration_s"] = time.perf_counter() - start
     ctx = PassContext(config=config, weights=traced.weights, model_config=model_source.config,
                       architecture=model_source.architecture, fake_mode=traced.fake_mode,
                       symbols={"T": traced.num_tokens},
                       provided_weights=_provided_weights(model_source, traced, config),
-                      calibration=_calibration(model_source, config))
+                      calibration=calibration)
     stage("running passes")
     with _timed(timings, "passes"):
         graph_module = run_pipeline(traced.graph_module, ctx, on_print_ir=on_print_ir)
@@ -136,8 +148,10 @@ def _compile_traced(model_source: ModelSource, traced: TracedModel, output_dir, 
     return path
 
 
-def _calibration(model_source: ModelSource, config: CompileConfig) -> Calibration | None:
-    """The calibration text's token ids when the scheme calibrates (--calibration FILE, else the built-in text)."""
+def _calibration(model_source: ModelSource, traced: TracedModel, config: CompileConfig,
+                 stage: Callable[[str], None], calibrations: dict | None = None) -> Calibration | None:
+    """When the scheme calibrates: the calibration text's token ids (--calibration FILE, else the built-in
+    text) and the statistics of every linear's input over runs of it through the traced float graph."""
     scheme = scheme_for(config)
     if scheme is None or not scheme.calibrated:
         if config.calibration is not None:
@@ -146,7 +160,17 @@ def _calibration(model_source: ModelSource, config: CompileConfig) -> Calibratio
     source = config.calibration or "default"
     text = calibration_text(source)
     token_ids = list(model_source.tokenizer.encode(text, add_special_tokens=False))
-    return Calibration(source, text_digest(text), token_ids)
+    key = (config.dtype, source, text_digest(text))
+    if calibrations is not None and key in calibrations:
+        return calibrations[key]
+    calibration = Calibration(source, text_digest(text), token_ids)
+    runs = calibration.calibration_runs()
+    stage(f"calibrating on {sum(map(len, runs))} tokens of the {source} text ({len(runs)} runs)")
+    calibration.linear_inputs = collect_linear_inputs(traced.graph_module, traced.weights, runs, config.progress)
+    calibration.runs, calibration.run_tokens = len(runs), sum(map(len, runs))
+    if calibrations is not None:
+        calibrations[key] = calibration
+    return calibration
 
 
 def _provided_weights(model_source: ModelSource, traced, config: CompileConfig) -> dict:

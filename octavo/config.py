@@ -48,6 +48,7 @@ class CompileConfig:
     kv_cache_dtype: str = "auto"
     calibration: str | None = None
     vocab_quant: str = "int8"
+    gptq_act_order: bool = False
     dump_dir: str | None = None
     stop_after: str | None = None
     print_ir_after: tuple[str, ...] = ()
@@ -77,6 +78,8 @@ class CompileConfig:
         if self.vocab_quant not in VOCAB_QUANT:
             raise OctavoError(f"unknown vocab quantization {self.vocab_quant!r}: choose one of "
                               f"{', '.join(VOCAB_QUANT)}")
+        if self.gptq_act_order and self.quant != "w4-gptq":
+            raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq, not {self.quant}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
 
@@ -103,6 +106,8 @@ class CompileConfig:
         key: dict = {}
         if self.quant != "none":
             key.update(quant=self.quant, group_size=self.group_size, vocab_quant=self.vocab_quant)
+        if self.gptq_act_order:
+            key["gptq_act_order"] = True
         if self.kv_cache_dtype != "auto":
             key["kv_cache_dtype"] = self.kv_cache_dtype
         if self.calibration is not None:

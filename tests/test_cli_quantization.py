@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from octavo.compiler import compile_model
+from octavo.config import CompileConfig
 from tests.conftest import run_cli
 
 
-def test_calibrated_schemes_say_they_are_not_available_yet(tmp_path):
-    result = run_cli("compile", "smollm2-135m", "-o", str(tmp_path / "artifact"), "--quant", "w4-gptq")
-    assert result.returncode == 1
-    assert "--quant w4-gptq is not yet available" in result.stderr
-    assert not (tmp_path / "artifact").exists()
+def test_inspect_names_the_calibration_of_a_calibrated_artifact(tiny_model_dir, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("A short calibration text: the float model runs on it once. " * 8)
+    artifact = compile_model(tiny_model_dir("llama"), tmp_path / "artifact",
+                             CompileConfig(quant="w4-gptq", group_size=16, gptq_act_order=True,
+                                           calibration=str(text)))
+    result = run_cli("inspect", str(artifact))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("quant    w4-gptq"))
+    assert line.startswith("quant    w4-gptq: w4 weights, group 16, values 8 gptq, 2 rtn; calibration ")
+    assert f"calibration {text} text (" in line and " tokens, sha256 " in line
 
 
 def test_inspect_reports_the_quantization(tiny_quantized_artifact):

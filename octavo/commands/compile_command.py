@@ -38,6 +38,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--calibration", metavar="FILE",
                         help="calibration text (plain text or JSONL with a \"text\" field) for calibrated schemes; "
                              "default: the built-in text")
+    parser.add_argument("--gptq-act-order", action="store_true",
+                        help="w4-gptq: round columns by decreasing Hessian diagonal (group scales fixed up front)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     parser.set_defaults(run=run)
 
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
                            print_ir_after=tuple(_split(args.print_ir_after)), stop_after=args.stop_after,
                            progress=True, quant=args.quant, group_size=args.group_size,
                            kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
+                           gptq_act_order=args.gptq_act_order,
                            vocab_quant=args.vocab_quant)
     config = resolve_precision(config)
     start = time.perf_counter()

@@ -51,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_text(calibration: dict | None) -> str:
+    """'none', or the text's name, the tokens the float model ran on and the text's digest."""
+    if not calibration:
+        return "none"
+    used = calibration.get("tokens_used", calibration["tokens"])
+    return (f"{calibration['source']} text ({used} of its {calibration['tokens']} tokens, "
+            f"sha256 {calibration['sha256'][:12]})")
+
+
 def _print_quantization(record: dict | None) -> None:
     """Scheme, group size, where the values came from, what stayed float and why, KV cache storage."""
     if not record:
@@ -58,7 +67,7 @@ def _print_quantization(record: dict | None) -> None:
     if record.get("scheme", "none") != "none":
         group = record["group_size"] or "per channel"
         values = ", ".join(f"{count} {origin}" for origin, count in record["values"].items())
-        calibration = record.get("calibration") or "none"
+        calibration = _calibration_text(record.get("calibration"))
         console.print(f"quant    {record['scheme']}: {record['layout']} weights, group {group}, "
                       f"values {values}; calibration {calibration}", markup=False)
         for entry in (record.get("vocab") or {}).get("weights", []):

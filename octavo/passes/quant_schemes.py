@@ -15,7 +15,9 @@ A scheme is the plug-in point of quantize_weights. The pass asks the scheme, in 
 ``prepare`` must not write into the tensors of ``ctx.weights`` (compile_variants shares them
 between artifacts): it puts new tensors in their place. A calibrated scheme (``calibrated=True``)
 finds the calibration text's token ids in ``ctx.calibration`` (a Calibration; the compiler
-tokenizes ``--calibration FILE`` or the built-in text), and the manifest records which text it was.
+tokenizes ``--calibration FILE`` or the built-in text and runs the float model on it, leaving the
+statistics of every linear's input in ``ctx.calibration.linear_inputs``, see weight_input_stats),
+and the manifest records which text it was and how many of its tokens were used.
 
 Registering a scheme: ``register_scheme("w4-awq", factory)`` where ``factory(config)``
 returns a QuantScheme (subclass; pass ``**vocab_options(config)`` to honour --vocab-quant);
@@ -25,18 +27,22 @@ that also removes the name from NOT_YET_AVAILABLE.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 from torch.fx import GraphModule
 
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
+from octavo.ir.linear_input_stats import LinearInputStats
 from octavo.ir.quantized_layout import FP8, W4, W8, QuantizedWeight
 from octavo.passes.quantize_rtn import quantize_fp8, quantize_w4, quantize_w8
 
 DEFAULT_W4_GROUP_SIZE = 32
 """Chosen by measurement on SmolLM2 (perplexity per group size): see quantize_weights' docstring."""
+CALIBRATION_RUNS = 32
+CALIBRATION_RUN_TOKENS = 512
+"""Calibrated schemes see at most 32 runs of 512 tokens (16384; the default text has about 14.5k)."""
 
 VOCAB_LAYOUTS = {"int8": W8, "w4": W4, "none": None}
 VOCAB_REASONS = {
@@ -95,21 +101,44 @@ class Calibration:
     """Calibration text as token ids (the whole text, in order), for calibrated schemes (ctx.calibration).
 
     ``source`` names the text ("default": the standard library docstrings' calibration part,
-    else the file given); ``sha256`` is the text's digest. The manifest records ``description``.
+    else the file given); ``sha256`` is the text's digest. ``linear_inputs`` maps weight
+    placeholder names of the traced graph to the statistics of their linear's input over the
+    ``runs`` runs (``run_tokens`` tokens in all) the compiler ran the float model on. The
+    manifest records ``description``.
     """
 
     source: str
     sha256: str
     token_ids: list[int]
+    linear_inputs: dict[str, LinearInputStats] = field(default_factory=dict)
+    runs: int = 0
+    run_tokens: int = 0
 
     @property
     def description(self) -> dict:
-        return {"source": self.source, "sha256": self.sha256, "tokens": len(self.token_ids)}
+        return {"source": self.source, "sha256": self.sha256, "tokens": len(self.token_ids),
+                "runs": self.runs, "tokens_used": self.run_tokens}
+
+    def calibration_runs(self) -> list[list[int]]:
+        """What the float model runs on: up to CALIBRATION_RUNS runs of CALIBRATION_RUN_TOKENS tokens, in text
+        order, or the whole text as one run when it is shorter than one."""
+        runs = self.samples(CALIBRATION_RUN_TOKENS, CALIBRATION_RUNS)
+        return runs or ([self.token_ids] if len(self.token_ids) >= 2 else [])
 
     def samples(self, length: int, count: int | None = None) -> list[list[int]]:
         """Consecutive, non-overlapping runs of `length` tokens (at most `count` of them), in text order."""
         runs = [self.token_ids[start:start + length] for start in range(0, len(self.token_ids) - length + 1, length)]
         return runs if count is None else runs[:count]
+
+
+def weight_input_stats(name: str, ctx) -> LinearInputStats | None:
+    """Calibration statistics of the input of the linear with weight `name` (a fused weight: its first part's,
+    which all parts share), None without calibration or when the compiler recorded none."""
+    calibration = ctx.calibration
+    if calibration is None:
+        return None
+    parts = ctx.merged_weights.get(name, [name])
+    return calibration.linear_inputs.get(parts[0])
 
 
 SchemeFactory = Callable[[CompileConfig], QuantScheme]
@@ -125,16 +154,31 @@ SCHEMES: dict[str, SchemeFactory] = {
     "fp8": lambda config: QuantScheme("fp8", FP8, None, **vocab_options(config)),
 }
 
-NOT_YET_AVAILABLE = {
-    "w4-awq": "AWQ (activation-aware scales searched on calibration text)",
-    "w4-gptq": "GPTQ (Hessian-based rounding with error feedback)",
-}
+NOT_YET_AVAILABLE: dict[str, str] = {}
+
+
+def _awq(config: CompileConfig) -> QuantScheme:
+    from octavo.passes.quantize_awq import AWQScheme
+
+    return AWQScheme("w4-awq", W4, config.group_size or DEFAULT_W4_GROUP_SIZE, calibrated=True,
+                     **vocab_options(config))
+
+
+def _gptq(config: CompileConfig) -> QuantScheme:
+    from octavo.passes.quantize_gptq import GPTQScheme
+
+    return GPTQScheme("w4-gptq", W4, config.group_size or DEFAULT_W4_GROUP_SIZE, calibrated=True,
+                      act_order=config.gptq_act_order, **vocab_options(config))
 
 
 def register_scheme(name: str, factory: SchemeFactory) -> None:
     """Make ``--quant name`` available (see the module docstring)."""
     SCHEMES[name] = factory
     NOT_YET_AVAILABLE.pop(name, None)
+
+
+register_scheme("w4-awq", _awq)
+register_scheme("w4-gptq", _gptq)
 
 
 def scheme_for(config: CompileConfig) -> QuantScheme | None:

@@ -45,18 +45,41 @@ def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None
     if weight.shape[1] % 2:
         raise ValueError(f"w4 needs an even number of input features, got {weight.shape[1]}")
     grouped = _grouped(weight, group_size)
-    low = grouped.amin(-1)
-    high = grouped.amax(-1)
-    if scale_dtype is None:
-        finite16 = bool(torch.maximum(low.abs(), high.abs()).max() < _FLOAT16_SAFE) if low.numel() else True
-        scale_dtype = torch.float16 if finite16 else torch.float32
-    offsets = low.to(scale_dtype)
-    scales = ((high - low) / 15.0).to(scale_dtype)
-    safe_scales = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-    q = torch.round((grouped - offsets.float().unsqueeze(-1)) / safe_scales.unsqueeze(-1)).clamp(0, 15)
-    q = torch.where((scales == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
+    q = w4_levels(grouped, scales.unsqueeze(-1), offsets.unsqueeze(-1))
     qweight = pack_int4(_ungrouped(q, weight.shape[1]).to(torch.uint8))
     return QuantizedWeight(W4, qweight, scales.contiguous(), offsets.contiguous(), group_size)
+
+
+def fake_quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None) -> Tensor:
+    """``quantize_w4(weight, group_size, scale_dtype).dequantize()`` without packing: the float32 weight RTN stores."""
+    weight = weight.float()
+    grouped = _grouped(weight, group_size)
+    scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
+    scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
+    dequantized = w4_levels(grouped, scales, offsets) * scales.float() + offsets.float()
+    return _ungrouped(dequantized, weight.shape[1])
+
+
+def w4_scale_dtype(weight: Tensor) -> torch.dtype:
+    """float16 for the scales and offsets of `weight` unless its range needs float32."""
+    finite16 = bool(weight.abs().max() < _FLOAT16_SAFE) if weight.numel() else True
+    return torch.float16 if finite16 else torch.float32
+
+
+def w4_range_params(low: Tensor, high: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """(scales, offsets) in `scale_dtype` of groups spanning [low, high]: offset low, step (high - low) / 15."""
+    if scale_dtype is None:
+        scale_dtype = w4_scale_dtype(torch.stack([low, high])) if low.numel() else torch.float16
+    return ((high - low) / 15.0).to(scale_dtype), low.to(scale_dtype)
+
+
+def w4_levels(values: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
+    """The 4-bit levels q (float, 0..15) of float32 `values` under (broadcast) scales and offsets: the nearest
+    ``q * scale + offset``, computed as ``round_half_even((w - offset) / scale)`` clamped; 0 where scale is 0."""
+    safe_scales = torch.where(scales == 0, torch.ones_like(scales), scales).float()
+    q = torch.round((values - offsets.float()) / safe_scales).clamp(0, 15)
+    return torch.where(scales == 0, torch.zeros_like(q), q)
 
 
 def quantize_fp8(weight: Tensor) -> QuantizedWeight:

@@ -1,6 +1,6 @@
 """quantize_weights: linears (and the embedding / lm_head) over float weights -> octavo quantized ops.
 
-Runs with ``--quant w8|w4|fp8`` (and the calibrated schemes once registered), after
+Runs with ``--quant w8|w4|fp8|w4-awq|w4-gptq`` (see quant_schemes for what a scheme decides), after
 fuse_qkv and fuse_gate_up, so a fused qkv or gate_up linear is quantized as one weight.
 
 For every weight placeholder that only ``aten.linear`` (as its weight) and
@@ -153,8 +153,7 @@ def _quantize(weight: Node, is_vocab: bool, provided: QuantizedWeight | None, sc
     if layout == W4 and tensor.shape[1] % 2:
         return None, "w4 needs an even number of input features"
     # An explicit --group-size other than the supplied values' asks for new values.
-    if provided is not None and provided.layout == layout and (
-            is_vocab or ctx.config.group_size in (None, provided.group_size)):
+    if keeps_supplied(provided, layout, is_vocab, ctx.config):
         return provided, ""
     if provided is not None:
         logger.info("%s: supplied as %s, which is not %s: quantized again from its float values",
@@ -162,6 +161,12 @@ def _quantize(weight: Node, is_vocab: bool, provided: QuantizedWeight | None, sc
     if is_vocab:
         return scheme.quantize_vocab(weight.name, tensor, ctx), ""
     return scheme.quantize_linear(weight.name, tensor, ctx), ""
+
+
+def keeps_supplied(provided: QuantizedWeight | None, layout: str, is_vocab: bool, config) -> bool:
+    """Whether a supplied value is stored as it is: same layout, and no explicit other group size for a linear."""
+    return provided is not None and provided.layout == layout and (
+        is_vocab or config.group_size in (None, provided.group_size))
 
 
 def provided_value(name: str, ctx: PassContext) -> QuantizedWeight | None:

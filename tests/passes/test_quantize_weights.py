@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from octavo.config import CompileConfig
-from octavo.errors import OctavoError, PassError
+from octavo.errors import PassError
 from octavo.frontend.architectures import architecture_for
 from octavo.ir.quantized_layout import W4, QuantizedWeight
 from octavo.passes import PassContext, quant_schemes, run_pipeline
@@ -164,12 +164,6 @@ def test_a_registered_scheme_prepares_weights_and_supplies_its_own_values(monkey
 def _fused_qkv(weights: dict, layer: int) -> torch.Tensor:
     prefix = f"model_layers_{layer}_self_attn_"
     return torch.cat([weights[f"{prefix}{name}_weight"] for name in ("q_proj", "k_proj", "v_proj")])
-
-
-@pytest.mark.parametrize("scheme", ["w4-awq", "w4-gptq"])
-def test_calibrated_schemes_are_not_available_yet(scheme):
-    with pytest.raises(OctavoError, match=f"--quant {scheme} is not yet available"):
-        quant_schemes.scheme_for(CompileConfig(quant=scheme))
 
 
 def _linear_chain(weights: dict[str, torch.Tensor], quant: str) -> tuple[torch.fx.GraphModule, PassContext]:
