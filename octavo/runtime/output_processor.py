@@ -32,13 +32,15 @@ class OutputProcessor:
         if not rows:
             return
         with self.phases.time("sample"):
-            row_index = torch.tensor([row for _, row in rows], device=logits.device)
+            row_ids = [row for _, row in rows]
+            if row_ids != list(range(logits.shape[0])):  # forks share a row; prompt-logprob rows follow
+                logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
             sequences = [seq for seq, _ in rows]
             sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
                              for seq in sequences]
             # Logprobs (a full-vocabulary log_softmax per row) only for the rows whose request shows them.
             logprob_rows = [index for index, seq in enumerate(sequences) if seq.params.logprobs is not None]
-            result = self.sampler(logits.index_select(0, row_index), sampling_rows, logprob_rows)
+            result = self.sampler(logits, sampling_rows, logprob_rows)
             token_ids = result.token_ids.tolist()
             logprobs = result.sampled_logprobs.tolist()
         with self.phases.time("detokenize"):

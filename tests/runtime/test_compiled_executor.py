@@ -1,0 +1,107 @@
+"""The compiled executor (AOTInductor) on the tiny llama: padded decode buckets, warm start, fallback.
+
+Logits against HF for every architecture are in tests/test_architectures.py; real weights against HF
+generate in tests/test_smollm2.py. All share the session's compile cache (one compile per artifact).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from octavo.runtime.input_batch import build_step_inputs
+from octavo.runtime.scheduler import ScheduledSequence
+from octavo.runtime.step_buffers import batch_size_ladder
+from tests.runtime.engine_helpers import greedy, make_engine, run_to_completion
+
+MAX_SEQS = 12  # ladder 1, 2, 4, 8, 12: sizes 3, 5-7 and 9-11 pad
+# Padding changes only the GEMMs' row count M, and oneDNN blocks an fp32 GEMM by M: a real row's
+# dot products are summed in another order, a few ulps (1.2e-7 relative) apart per GEMM. Logits of
+# magnitude < 10 after two layers stay within 1e-5; a wrong row, context or slot moves them by > 0.1.
+PADDING_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def decoding_engine(artifact, compiled_executor_cache):
+    """A compiled-executor engine with MAX_SEQS sequences of different lengths, all past their prefill."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OCTAVO_CACHE_DIR", str(compiled_executor_cache))
+        engine = make_engine(artifact, max_num_seqs=MAX_SEQS, num_kv_blocks=128, executor="compiled")
+    generator = torch.Generator().manual_seed(0)
+    for index in range(MAX_SEQS):
+        engine.add_request(torch.randint(3, 49000, (7 + 9 * index,), generator=generator).tolist(), greedy(8))
+    while engine.scheduler.waiting or any(seq.num_output_tokens == 0 for seq in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
+def test_ladder():
+    assert batch_size_ladder(1) == [1]
+    assert batch_size_ladder(8) == [1, 2, 4, 8]
+    assert batch_size_ladder(12) == [1, 2, 4, 8, 12]
+    assert batch_size_ladder(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+@pytest.mark.parametrize("num_seqs", range(1, MAX_SEQS + 1))
+def test_padded_decode_step_equals_unpadded(decoding_engine, num_seqs):
+    """The same decode step on the ladder's padded buffers and on its own n-row inputs."""
+    engine = decoding_engine
+    sequences = engine.scheduler.running[:num_seqs]
+    for seq in sequences:  # room for the step's token; K/V written twice to one slot is written once
+        engine.block_manager.allocate(seq, seq.num_computed_tokens + 1)
+    inputs = build_step_inputs([ScheduledSequence(seq, 1) for seq in sequences], engine.block_manager.block_size)
+    feed = engine.runner.prepare(inputs)
+    padded = engine.runner.execute(feed)
+    unpadded = engine.executor.run({**inputs.as_dict(), **engine.kv_cache.tensors})
+    size = next(size for size in batch_size_ladder(MAX_SEQS) if size >= num_seqs)
+    assert feed.size == size and feed.tensors["input_ids"].shape == (size,)
+    assert padded.shape == unpadded.shape == (num_seqs, engine.vocab_size)
+    assert (padded - unpadded).abs().max().item() <= PADDING_TOLERANCE
+    assert torch.equal(padded.argmax(-1), unpadded.argmax(-1))
+
+
+def test_compiled_outputs_equal_eager_and_a_second_engine_starts_warm(artifact, compiled_cache):
+    prompts = [[5, 17, 3000, 42, 9], list(range(100, 160)), [7] * 20]
+    outputs = {}
+    for name, executor in (("eager", "eager"), ("compiled", "compiled"), ("second", "compiled")):
+        engine = make_engine(artifact, executor=executor, max_num_seqs=4)
+        for prompt in prompts:
+            engine.add_request(prompt, greedy(12))
+        outputs[name] = [output.outputs[0].token_ids for output in run_to_completion(engine).values()]
+        if name == "second":
+            assert engine.executor.compile_seconds == 0.0, "the second engine compiled again"
+            assert engine.executor.path.parent == compiled_cache / "executor"
+    assert outputs["compiled"] == outputs["eager"] == outputs["second"]
+
+
+def test_warmup_command_loads_the_cached_graph(tiny_artifact, compiled_cache):
+    """`octavo warmup`, run as a user runs it: the package the tests compiled is found and loaded."""
+    make_engine(tiny_artifact("llama"), executor="compiled")  # compiled here, or already in the session cache
+    result = _octavo("warmup", str(tiny_artifact("llama")), "--threads", str(torch.get_num_threads()),
+                     env={"OCTAVO_CACHE_DIR": str(compiled_cache), "OCTAVO_EXECUTOR": "auto"})
+    assert result.returncode == 0, result.stderr
+    assert "loaded the compiled graph" in result.stdout and "(warm)" in result.stdout, result.stdout
+
+
+def test_without_a_compiler_auto_falls_back_to_eager_and_compiled_fails_clearly(tiny_artifact, tmp_path):
+    """No C++ compiler on PATH and nothing cached: auto warns once and runs eagerly; --executor compiled fails."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {"OCTAVO_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(empty), "CXX": "no-such-compiler",
+           "OCTAVO_EXECUTOR": "auto"}
+    fallback = _octavo("warmup", str(tiny_artifact("llama")), env=env)
+    assert fallback.returncode == 0, fallback.stderr
+    assert "executor eager" in fallback.stdout
+    assert fallback.stderr.count("no C++ compiler found") == 1, fallback.stderr
+    explicit = _octavo("warmup", str(tiny_artifact("llama")), "--executor", "compiled", env=env)
+    assert explicit.returncode == 1
+    assert "compiled executor is unavailable" in explicit.stderr and "no C++ compiler found" in explicit.stderr
+
+
+def _octavo(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "octavo.cli", *args], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **env})
