@@ -52,6 +52,8 @@ LIBRARY, OP_TABLE = "model.so", "model.json"
 DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_pointwise")
 """Pointwise octavo ops whose torch kernels are inlined as ATen for Inductor to fuse (the rest stay opaque)."""
 
+# Example sizes of the symbolic dimensions, distinct so that no two dimensions look alike while tracing.
+_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7}
 
 
 class CompilationUnavailableError(RuntimeError):
@@ -82,8 +84,8 @@ def check_compiler() -> None:
     """Raise CompilationUnavailableError naming what is missing when Inductor cannot build C++ here."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
-        raise CompilationUnavailableError(f"no C++ compiler found ({compiler}, g++ or clang++ on PATH); install one "
-                                     "(e.g. apt install g++) to compile the graph")
+        raise CompilationUnavailableError(f"no C++ compiler found ({compiler}, g++ or clang++ on PATH); "
+                                          "install one (e.g. apt install g++) to compile the graph")
 
 
 class CompiledExecutor:
@@ -196,8 +198,8 @@ def _extract_library(archive: Path, directory: Path) -> None:
         for suffix, target in ((".wrapper.so", LIBRARY), (".wrapper.json", OP_TABLE)):
             found = [name for name in names if name.endswith(suffix)]
             if len(found) != 1:
-                raise CompilationUnavailableError(f"the AOTInductor archive holds {len(found)} files *{suffix}, "
-                                             "expected one")
+                raise CompilationUnavailableError(f"the AOTInductor archive holds {len(found)} files "
+                                                  f"*{suffix}, expected one")
             with package.open(found[0]) as source, open(directory / target, "wb") as destination:
                 shutil.copyfileobj(source, destination, 2**24)
 
@@ -216,7 +218,3 @@ def _decomposed_copy(graph_module: GraphModule) -> GraphModule:
                 node.target = kernels[name]
     # Built from the finished graph, so the copy takes the weights its get_attr nodes name.
     return GraphModule(graph_module, graph)
-
-
-# Distinct example sizes per symbolic dimension, so no two dimensions look alike while tracing.
-_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7}
