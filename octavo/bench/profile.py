@@ -18,6 +18,7 @@ one 512-token prefill. For each, the step is split in two ways:
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,8 +39,8 @@ WARM_STEPS = 2
 # Profiler ranges that only wrap a compiled graph: looked through when finding the ops a model step ran.
 _WRAPPER_PREFIXES = ("## ", "Torch-Compiled Region", "TorchDynamo", "CompiledFunction", "AOTDispatcher",
                      "Pregraph bytecode", "Call CompiledFxGraph", "cudaGraph")
-_LINEAR_MARKERS = ("linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "mkldnn", "mkl_",
-                   "onednn")
+# Name parts of GEMM ops: ATen's, the compiled graph's C shims (aoti_torch_cpu_mm_out), oneDNN's, octavo's linears.
+_LINEAR_WORDS = {"mm", "addmm", "bmm", "matmul", "linear", "mkldnn", "mkl", "onednn"}
 
 
 @dataclass
@@ -164,7 +165,7 @@ def _kind(name: str) -> str:
     lowered = name.lower()
     if "paged_attention" in lowered:
         return "attention"
-    if any(marker in lowered for marker in _LINEAR_MARKERS):
+    if _LINEAR_WORDS & set(re.split(r"[^a-z0-9]+", lowered)) or "linear" in lowered:
         return "linears"
     return "other kernels"
 

@@ -44,7 +44,7 @@ from octavo.runtime.executor import GraphExecutor
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever what this module compiles changes, so that older packages are not reused."""
 
 LIBRARY, OP_TABLE = "model.so", "model.json"
@@ -170,10 +170,15 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
     ops it calls back (the .json next to it, which the runner reads) are kept, the rest dropped.
     """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    # Recording a Python stack trace for every traced node is a third of the tracing time, for error
+    # messages only: the graph's nodes come from the artifact, not from Python source worth pointing at.
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
     try:
         program = export_graph(eager, signature)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as scratch:
+        # Inductor freezes the graph (folds the weights in, prepacks them for oneDNN) only without autograd.
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as scratch, torch.no_grad():
             archive = Path(scratch) / "package.pt2"
             torch._inductor.aoti_compile_and_package(program, package_path=str(archive), inductor_configs={
                 "freezing": True,
@@ -189,6 +194,8 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
         raise
     except Exception as error:  # Inductor fails in many ways (compiler errors, unsupported ops)
         raise CompilationUnavailableError(f"compiling the graph failed: {type(error).__name__}: {error}") from error
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def _extract_library(archive: Path, directory: Path) -> None:

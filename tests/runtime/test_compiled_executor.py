@@ -78,6 +78,17 @@ def test_compiled_outputs_equal_eager_and_a_second_engine_starts_warm(artifact, 
     assert outputs["compiled"] == outputs["eager"] == outputs["second"]
 
 
+def test_the_package_is_frozen_with_linears_on_prepacked_onednn_weights(artifact, compiled_cache):
+    """Freezing happened: the linears call oneDNN on prepacked weights, not a GEMM on the artifact's tensors.
+
+    (Inductor freezes only when autograd is off while it compiles; unfrozen, prefill GEMMs run ~2x slower.)
+    """
+    executor = make_engine(artifact, executor="compiled").executor
+    library = (executor.path / "model.so").read_bytes()
+    assert b"_linear_pointwise" in library
+    assert b"aoti_torch_cpu_mm_out" not in library
+
+
 def test_warmup_command_loads_the_cached_graph(tiny_artifact, compiled_cache):
     """`octavo warmup`, run as a user runs it: the package the tests compiled is found and loaded."""
     make_engine(tiny_artifact("llama"), executor="compiled")  # compiled here, or already in the session cache
