@@ -2,11 +2,11 @@
 
 Engines in tests run the eager executor (OCTAVO_EXECUTOR=eager, inherited by the `octavo`
 subprocesses tests start): the compiled executor AOT-compiles each artifact's graph with
-Inductor, 10-60 s per artifact on a cold cache, which the many engine tests on their many
-artifacts cannot afford. The compiled executor has dedicated tests that ask for it explicitly
-(an explicit EngineConfig(executor="compiled") overrides the variable), sharing one compile per
-artifact through session fixtures: tests/runtime/test_compiled_executor.py (every architecture,
-padded decode buckets, warm start, fallback) and the SmolLM2 fp32 HF-equality in test_smollm2.py.
+Inductor, ~10 s per tiny artifact and a minute for SmolLM2 on a cold cache, which the many engine
+tests on their many artifacts cannot afford. The compiled executor has dedicated tests that ask for
+it explicitly (an explicit EngineConfig(executor="compiled") overrides the variable), sharing one
+compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py and the
+windowed architecture in tests/test_architectures.py.
 """
 
 from __future__ import annotations

@@ -72,26 +72,6 @@ def test_fp32_greedy_equals_hf_generate_with_chunked_prefill(smollm2_fp32_artifa
     assert_pool_full(llm.engine)
 
 
-def test_fp32_greedy_equals_hf_generate_compiled_executor(smollm2_fp32_artifact, prompts, hf_fp32_tokens,
-                                                          compiled_cache):
-    """The compiled executor (AOTInductor, prepacked oneDNN linears) keeps fp32 token-exactness.
-
-    Requests stop 6 tokens apart, so the decode batch shrinks from 8 to 1 through sizes the
-    batch-size ladder (1, 2, 4, 8) pads; each output is compared with HF's first tokens.
-    """
-    llm = LLM(smollm2_fp32_artifact, num_kv_blocks=512, max_num_seqs=8, executor="compiled")
-    assert llm.engine.executor_kind == "compiled"
-    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS - 6 * index, ignore_eos=True)
-              for index in range(len(prompts))]
-    outputs = llm.generate(prompts, params)
-    for index, (output, theirs) in enumerate(zip(outputs, hf_fp32_tokens, strict=True)):
-        ours = output.outputs[0].token_ids
-        assert len(ours) == NEW_TOKENS - 6 * index
-        difference = _first_difference(ours, theirs)
-        assert ours == theirs[:len(ours)], f"prompt {index}: first difference at token {difference}"
-    assert_pool_full(llm.engine)
-
-
 # The bf16 near-tie margin, a fraction of the top logit: 2^-5 ~ 1.5 * sqrt(30 layers) * 2^-8 (bf16's
 # relative rounding); see the test's docstring.
 BF16_TIE_MARGIN = 2.0**-5

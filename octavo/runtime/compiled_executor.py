@@ -16,7 +16,8 @@ MKL on unpacked weights for prefill-sized GEMMs, measured on an AMD
 AVX-512 machine, where MKL takes a generic path). So the package holds a copy
 of the weights: it is a cache of this machine, never part of the artifact,
 and lives under ``cache_root()/executor``, keyed by the artifact's file
-checksums (weights included), the backend, the CPU's vector ISA, the thread
+checksums (weights included), the backend, the lowered graph's code (which
+names the kernels chosen for this machine), the CPU's vector ISA, the thread
 count (generated loops are parallelized for it), the torch and octavo
 versions and this module's format. Inductor's own scratch files go under
 ``cache_root()/inductor`` unless TORCHINDUCTOR_CACHE_DIR says otherwise. A
@@ -60,12 +61,14 @@ class CompilationUnavailableError(RuntimeError):
     """The compiled executor cannot be built here (no C++ compiler, or the compile failed)."""
 
 
-def package_key(manifest: dict, backend: str) -> str:
+def package_key(manifest: dict, backend: str, lowered: GraphModule) -> str:
     """sha256 of everything that decides the compiled code (see the module docstring)."""
     payload = {
         "format": FORMAT,
         "artifact_files": manifest.get("files", {}),
         "backend": backend,
+        # The kernels lowering chose on this machine (for quantized linears they depend on its bf16 support).
+        "lowered_graph": hashlib.sha256(lowered.code.encode()).hexdigest(),
         "decomposed": DECOMPOSED_OPS,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
@@ -75,9 +78,9 @@ def package_key(manifest: dict, backend: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def package_path(manifest: dict, backend: str) -> Path:
+def package_path(manifest: dict, backend: str, lowered: GraphModule) -> Path:
     """The package directory: the compiled library (model.so, weights inside) and its op table (model.json)."""
-    return cache_root() / "executor" / package_key(manifest, backend)
+    return cache_root() / "executor" / package_key(manifest, backend, lowered)
 
 
 def check_compiler() -> None:
@@ -105,7 +108,7 @@ class CompiledExecutor:
         self.graph_module = eager.graph_module
         self.input_names = eager.input_names
         self.device = eager.device
-        self.path = package_path(manifest, backend)
+        self.path = package_path(manifest, backend, eager.graph_module)
         self.compile_seconds = 0.0
         if not (self.path / LIBRARY).is_file():
             check_compiler()

@@ -90,6 +90,9 @@ class LLMEngine:
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         if self.parallel is not None:
             self.executor = self.parallel.executor
+            if resolve_executor(self.config.executor) == "compiled":
+                logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
+                               "is for single-process engines)")
         else:
             self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
                                             activation_dtype=getattr(torch, manifest["dtype"]))

@@ -1,19 +1,22 @@
-"""The compiled executor (AOTInductor) on the tiny llama: padded decode buckets, warm start, fallback.
+"""The compiled executor (AOTInductor): padded decode buckets, warm start, fallback, quantized artifacts.
 
-Logits against HF for every architecture are in tests/test_architectures.py; real weights against HF
-generate in tests/test_smollm2.py. All share the session's compile cache (one compile per artifact).
+The tiny windowed architecture (mistral: sliding-window attention cuts the longer contexts) is the
+one whose logits tests/test_architectures.py checks against HF through the compiled executor; the
+tests here use its artifact too, so both share one compiled package through the session's cache
+(one Inductor compile per artifact and backend, ~10 s each).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import logging
 
 import pytest
 import torch
 
+from octavo.cli import main
+from octavo.errors import OctavoError
 from octavo.runtime.input_batch import build_step_inputs
+from octavo.runtime.loader import load_artifact
 from octavo.runtime.scheduler import ScheduledSequence
 from octavo.runtime.step_buffers import batch_size_ladder
 from tests.runtime.engine_helpers import greedy, make_engine, run_to_completion
@@ -23,6 +26,12 @@ MAX_SEQS = 12  # ladder 1, 2, 4, 8, 12: sizes 3, 5-7 and 9-11 pad
 # dot products are summed in another order, a few ulps (1.2e-7 relative) apart per GEMM. Logits of
 # magnitude < 10 after two layers stay within 1e-5; a wrong row, context or slot moves them by > 0.1.
 PADDING_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_artifact):
+    """The tiny mistral artifact, loaded once (it replaces the engine tests' llama here)."""
+    return load_artifact(tiny_artifact("mistral"))
 
 
 @pytest.fixture(scope="module")
@@ -89,30 +98,50 @@ def test_the_package_is_frozen_with_linears_on_prepacked_onednn_weights(artifact
     assert b"aoti_torch_cpu_mm_out" not in library
 
 
-def test_warmup_command_loads_the_cached_graph(tiny_artifact, compiled_cache):
-    """`octavo warmup`, run as a user runs it: the package the tests compiled is found and loaded."""
-    make_engine(tiny_artifact("llama"), executor="compiled")  # compiled here, or already in the session cache
-    result = _octavo("warmup", str(tiny_artifact("llama")), "--threads", str(torch.get_num_threads()),
-                     env={"OCTAVO_CACHE_DIR": str(compiled_cache), "OCTAVO_EXECUTOR": "auto"})
-    assert result.returncode == 0, result.stderr
-    assert "loaded the compiled graph" in result.stdout and "(warm)" in result.stdout, result.stdout
+def test_warmup_command_loads_the_cached_graph(artifact, compiled_cache, capsys, monkeypatch):
+    """`octavo warmup` finds the package the tests compiled and loads it (a warm start)."""
+    make_engine(artifact, executor="compiled")  # compiled here, or already in the session cache
+    monkeypatch.setenv("OCTAVO_EXECUTOR", "auto")
+    assert main(["warmup", str(artifact.path), "--threads", str(torch.get_num_threads()), "--executor", "auto"]) == 0
+    printed = capsys.readouterr().out
+    assert "loaded the compiled graph" in printed and "(warm)" in printed, printed
 
 
-def test_without_a_compiler_auto_falls_back_to_eager_and_compiled_fails_clearly(tiny_artifact, tmp_path):
-    """No C++ compiler on PATH and nothing cached: auto warns once and runs eagerly; --executor compiled fails."""
+def test_without_a_compiler_auto_falls_back_to_eager_and_compiled_fails_clearly(artifact, tmp_path, monkeypatch,
+                                                                               caplog):
+    """No C++ compiler on PATH and nothing cached: auto warns once and runs eagerly; compiled fails, saying why."""
     empty = tmp_path / "bin"
     empty.mkdir()
-    env = {"OCTAVO_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(empty), "CXX": "no-such-compiler",
-           "OCTAVO_EXECUTOR": "auto"}
-    fallback = _octavo("warmup", str(tiny_artifact("llama")), env=env)
-    assert fallback.returncode == 0, fallback.stderr
-    assert "executor eager" in fallback.stdout
-    assert fallback.stderr.count("no C++ compiler found") == 1, fallback.stderr
-    explicit = _octavo("warmup", str(tiny_artifact("llama")), "--executor", "compiled", env=env)
-    assert explicit.returncode == 1
-    assert "compiled executor is unavailable" in explicit.stderr and "no C++ compiler found" in explicit.stderr
+    for name, value in (("OCTAVO_CACHE_DIR", tmp_path / "cache"), ("PATH", empty), ("CXX", "no-such-compiler"),
+                        ("OCTAVO_EXECUTOR", "auto")):
+        monkeypatch.setenv(name, str(value))
+    with caplog.at_level(logging.WARNING, logger="octavo.runtime.executor"):
+        engines = [make_engine(artifact, executor="auto") for _ in range(2)]
+    assert [engine.executor_kind for engine in engines] == ["eager", "eager"]
+    warnings = [record.getMessage() for record in caplog.records if "running the graph eagerly" in record.getMessage()]
+    assert len(warnings) == 1 and all("no C++ compiler found (no-such-compiler" in text for text in warnings)
+    with pytest.raises(OctavoError, match="compiled executor is unavailable: no C\\+\\+ compiler found"):
+        make_engine(artifact, executor="compiled")
+    assert not (tmp_path / "cache" / "executor").exists()
 
 
-def _octavo(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "octavo.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **env})
+# One artifact per backend: w8 linears with a 4-bit vocabulary on the torch backend (its paged
+# attention), w4 linears with an int8 vocabulary and an int8 KV cache (scale caches written in
+# place) on the cpu backend. Their kernels are opaque ops the compiled library calls back; Inductor
+# compiles only the ops around them, which eager runs as separate torch ops: same greedy tokens.
+QUANTIZED = [("torch", {"quant": "w8", "vocab_quant": "w4"}),
+             ("cpu", {"quant": "w4", "vocab_quant": "int8", "kv_cache_dtype": "int8"})]
+
+
+@pytest.mark.parametrize(("backend", "options"), QUANTIZED, ids=["w8-torch", "w4-int8kv-cpu"])
+def test_quantized_artifact_compiled_equals_eager(tiny_quantized_artifact, compiled_cache, backend, options):
+    quantized = tiny_quantized_artifact("llama", **options)
+    prompts = [[5, 17, 3000, 42, 9], list(range(100, 160)), [7] * 20]
+    outputs = {}
+    for executor in ("eager", "compiled"):
+        engine = make_engine(quantized, executor=executor, backend=backend, max_num_seqs=4)
+        assert engine.executor_kind == executor and engine.backend == backend
+        for prompt in prompts:
+            engine.add_request(prompt, greedy(10))
+        outputs[executor] = [output.outputs[0].token_ids for output in run_to_completion(engine).values()]
+    assert outputs["compiled"] == outputs["eager"]
