@@ -1,4 +1,4 @@
-"""The `octavo` command line: compile | generate | chat | inspect | bench | eval | demo | serve."""
+"""The `octavo` command line: compile | generate | chat | inspect | bench | eval | warmup | demo | serve."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         generate_command,
         inspect_command,
         serve_command,
+        warmup_command,
     )
 
     parser = argparse.ArgumentParser(prog="octavo", description="Compile and serve causal language models.")
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_command.add_parser(subparsers)
     bench_command.add_parser(subparsers)
     eval_command.add_parser(subparsers)
+    warmup_command.add_parser(subparsers)
     serve_command.add_parser(subparsers)
     return parser
 

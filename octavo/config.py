@@ -209,6 +209,7 @@ class EngineConfig:
     swap_space: int | str = "1GiB"
     device: str = "auto"
     backend: str = "auto"
+    executor: str = "auto"  # compiled | eager; auto: OCTAVO_EXECUTOR, else compiled where it can be built
     num_threads: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -236,6 +237,8 @@ class EngineConfig:
             raise OctavoError(f"backend must be auto, torch, triton or cpu, got {self.backend!r}")
         if isinstance(self.speculative, str):
             self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.executor not in ("auto", "compiled", "eager"):
+            raise OctavoError(f"executor must be auto, compiled or eager, got {self.executor!r}")
         self._check_parallel()
 
     @property

@@ -17,8 +17,11 @@
 #   4. SmolLM2-135M end to end on CUDA with the triton backend: 8 chat prompts x 64 greedy tokens, each
 #      token checked against Hugging Face fp32 under teacher forcing (test_triton_smollm2.py).
 #   5. Kernel timings: each Triton kernel vs its torch-backend counterpart at SmolLM2's sizes (bf16).
-# Each test step runs under `timeout` (240 s, 270 s, 90 s) so the whole check stays under about 10 minutes
-# even when a step hangs. Exit status 0 only when every step passed; a summary lists each step's outcome.
+#   6. CUDA graphs of decode steps (tests/runtime/cuda_graph_check.py, SmolLM2 fp32): each ladder size's
+#      replay bitwise equal to an eager run of the same padded step, greedy outputs with graphs equal to
+#      those without, and decode steps/s at 1 and 8 sequences with and without graphs.
+# Each test step runs under `timeout` (240 s, 270 s, 90 s, 240 s) so the whole check stays under about
+# 14 minutes even when a step hangs. Exit status 0 only when every step passed; a summary lists each step's outcome.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -135,7 +138,7 @@ PY
 }
 
 # ---- 1. a Python with a CUDA torch ----------------------------------------------------------------
-log "1/5 Python with a CUDA build of torch"
+log "1/6 Python with a CUDA build of torch"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if ! PY="$(find_cuda_python)"; then
     echo "no Python with a CUDA torch found; creating $GPU_VENV"
@@ -145,7 +148,7 @@ fi
 echo "python: $PY ($("$PY" --version 2>&1)), torch $(torch_summary "$PY")"
 
 # ---- 2. dependencies ------------------------------------------------------------------------------
-log "2/5 dependencies"
+log "2/6 dependencies"
 MISSING_TEXT="$(missing_requirements "$PY")" || die "cannot check Octavo's dependencies with $PY (needs Python >= 3.11)"
 read -r -a MISSING <<<"$MISSING_TEXT"
 if [ "${#MISSING[@]}" -gt 0 ]; then
@@ -172,7 +175,7 @@ export OCTAVO_CACHE_DIR
 unset TRITON_INTERPRET
 
 # ---- 3. kernel tests, natively ------------------------------------------------------------------------
-log "3/5 Triton kernel tests on the GPU (no interpreter)"
+log "3/6 Triton kernel tests on the GPU (no interpreter)"
 if timeout 240 "$PY" -m pytest tests/codegen/triton -m "not slow" -q -p no:cacheprovider --durations=8; then
     record "kernel tests (native CUDA)" passed
 else
@@ -180,7 +183,7 @@ else
 fi
 
 # ---- 4. SmolLM2 end to end --------------------------------------------------------------------------
-log "4/5 SmolLM2-135M on CUDA with the triton backend (greedy tokens vs HF fp32)"
+log "4/6 SmolLM2-135M on CUDA with the triton backend (greedy tokens vs HF fp32)"
 if timeout 270 "$PY" -m pytest tests/codegen/triton/test_triton_smollm2.py -q -p no:cacheprovider --durations=3; then
     record "SmolLM2 end to end (triton, CUDA)" passed
 else
@@ -188,11 +191,19 @@ else
 fi
 
 # ---- 5. kernel timings --------------------------------------------------------------------------------
-log "5/5 kernel timings (median of triton.testing.do_bench)"
+log "5/6 kernel timings (median of triton.testing.do_bench)"
 if timeout 90 "$PY" tests/codegen/triton/kernel_timings.py; then
     record "kernel timings" passed
 else
     record "kernel timings" "FAILED (exit $?)"
+fi
+
+# ---- 6. CUDA graphs ---------------------------------------------------------------------------------
+log "6/6 CUDA graphs of decode steps (capture/replay equality, timing with and without)"
+if timeout 240 "$PY" tests/runtime/cuda_graph_check.py; then
+    record "CUDA graphs" passed
+else
+    record "CUDA graphs" "FAILED (exit $?; 124 = timed out)"
 fi
 
 log "summary ($((SECONDS - START))s)"

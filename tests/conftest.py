@@ -1,4 +1,13 @@
-"""Shared fixtures: the real tokenizer, tiny random-weight models on disk, compiled artifacts."""
+"""Shared fixtures: the real tokenizer, tiny random-weight models on disk, compiled artifacts.
+
+Engines in tests run the eager executor (OCTAVO_EXECUTOR=eager, inherited by the `octavo`
+subprocesses tests start): the compiled executor AOT-compiles each artifact's graph with
+Inductor, ~10 s per tiny artifact and a minute for SmolLM2 on a cold cache, which the many engine
+tests on their many artifacts cannot afford. The compiled executor has dedicated tests that ask for
+it explicitly (an explicit EngineConfig(executor="compiled") overrides the variable), sharing one
+compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py and the
+windowed architecture in tests/test_architectures.py.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import torch
 from octavo.cache_dir import cache_root
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OCTAVO_EXECUTOR", "eager")
 # @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
 # kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
 if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
@@ -33,6 +43,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def compiled_executor_cache(tmp_path_factory) -> Path:
+    """The Octavo cache dir of the session's compiled executors: each artifact compiles once, cold."""
+    return tmp_path_factory.mktemp("octavo-cache")
+
+
+@pytest.fixture
+def compiled_cache(monkeypatch, compiled_executor_cache) -> Path:
+    """Point OCTAVO_CACHE_DIR at the session's compiled-executor cache for one test."""
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(compiled_executor_cache))
+    return compiled_executor_cache
 
 
 @pytest.fixture(scope="session")

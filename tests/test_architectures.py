@@ -2,7 +2,14 @@
 
 Five sequences of different lengths run concurrently under a small token
 budget, so steps mix decodes, whole prefills and chunks of long prefills,
-and requests arrive while others are decoding.
+and requests arrive while others are decoding. Every architecture runs on
+the eager executor (node by node); the windowed one (mistral) also on the
+compiled executor (AOTInductor, whose decode steps run padded to the
+batch-size ladder 1, 2, 4, 8: three to five decoding sequences pad). One
+Inductor compile per architecture would cost ~10 s each; the other
+architectures differ from it only in ops the compiled executor treats alike
+(biases, q/k norms), and tests/runtime/test_compiled_executor.py covers
+llama and quantized artifacts.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ MAX_TOKENS = [9, 6, 12, 8, 10]
 TOKEN_BUDGET = 20
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
-def test_logits_match_hf_eager_step_by_step(model_type, tiny_model_dir, tiny_artifact):
+@pytest.mark.parametrize(("model_type", "executor"),
+                         [(model_type, "eager") for model_type in sorted(ARCHITECTURES)] + [("mistral", "compiled")])
+def test_logits_match_hf_eager_step_by_step(model_type, executor, tiny_model_dir, tiny_artifact, compiled_cache):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir(model_type), attn_implementation="eager",
                                                      dtype=torch.float32).eval()
-    engine = LLMEngine(tiny_artifact(model_type),
-                       EngineConfig(num_kv_blocks=64, max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=8))
+    engine = LLMEngine(tiny_artifact(model_type), EngineConfig(num_kv_blocks=64, max_num_batched_tokens=TOKEN_BUDGET,
+                                                               max_num_seqs=8, executor=executor))
+    assert engine.executor_kind == executor
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49000, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
     for index in range(3):
@@ -41,6 +50,8 @@ def test_logits_match_hf_eager_step_by_step(model_type, tiny_model_dir, tiny_art
         engine.step()
         record = engine.last_step
         kinds.add(_step_kind(record))
+        if (engine.runner.last_size or 0) > len(record.schedule.scheduled):
+            kinds.add("padded decode")
         for row, scheduled_index in enumerate(record.inputs.sampled_rows):
             seq = record.schedule.scheduled[scheduled_index].seq
             context = torch.tensor([seq.token_ids[:seq.num_computed_tokens]])
@@ -52,6 +63,7 @@ def test_logits_match_hf_eager_step_by_step(model_type, tiny_model_dir, tiny_art
     assert compared == sum(MAX_TOKENS)
     assert worst <= 1e-4, f"max abs logits difference {worst}"
     assert "decode+chunked-prefill" in kinds, kinds
+    assert ("padded decode" in kinds) == (executor == "compiled"), kinds
     assert_pool_full(engine)
     if model_type == "mistral":  # the window must actually cut the context of the longest sequences
         assert engine.artifact.kv_layout["sliding_windows"] == [TINY_WINDOW, TINY_WINDOW]

@@ -15,7 +15,7 @@ BACKENDS = ("torch", "triton", "cpu")
 
 
 def backend_kernels(backend: str) -> dict:
-    """The op -> kernel table of `backend` ("torch", "triton" or "cpu")."""
+    """The octavo op -> kernel op table of `backend` ("torch", "triton" or "cpu")."""
     if backend == "torch":
         from octavo.codegen.torch_backend import KERNELS
 
@@ -31,21 +31,34 @@ def backend_kernels(backend: str) -> dict:
     raise OctavoError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
-def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
-    """Replace each octavo op node's target by the backend kernel (in place); ATen ops stay as they are.
+def prepare_hooks(backend: str) -> dict:
+    """octavo op -> `prepare(node)`, for the kernels of `backend` that do work per node at load."""
+    if backend == "triton":
+        from octavo.codegen.triton_backend.kernel_table import PREPARE_HOOKS
 
-    Fails naming the op when the backend lacks a kernel for it. A kernel with
-    a `prepare(node)` attribute gets it called once per node here, at load
-    (the Triton backend generates and imports fused_pointwise kernels then).
-    First, on the CPU backends, quantized linears get their CPU kernel and
-    packed weights (torch_backend.weight_packing; `activation_dtype` is the
-    artifact's dtype, float32 when not given).
+        return PREPARE_HOOKS
+    return {}
+
+
+def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
+    """Replace each octavo op node's target by the backend's kernel op (in place); ATen ops stay as they are.
+
+    Every kernel is an OpOverload (a custom op of the backend's namespace, or
+    a reference octavo op that is its own kernel), so the lowered graph runs
+    eagerly or through torch.compile/export alike. Fails naming the op when
+    the backend lacks a kernel for it. A backend's `prepare(node)` hook runs
+    once per node here, at load (the Triton backend generates and imports
+    fused_pointwise kernels then). First, on the CPU backends, quantized
+    linears get their CPU kernel and packed weights
+    (torch_backend.weight_packing; `activation_dtype` is the artifact's
+    dtype, float32 when not given).
     """
     if backend in ("torch", "cpu"):  # the cpu backend runs the torch backend's quantized linears
         from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
 
         pack_quantized_linears(graph_module, activation_dtype)
     kernels = backend_kernels(backend)
+    hooks = prepare_hooks(backend)
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -54,8 +67,10 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
         if node.target not in kernels:
             raise OctavoError(f"backend {backend} has no kernel for {node.target}")
         kernel = kernels[node.target]
-        if hasattr(kernel, "prepare"):
-            kernel.prepare(node)
+        if not isinstance(kernel, torch._ops.OpOverload):
+            raise OctavoError(f"backend {backend}: the kernel of {node.target} is not a registered op")
+        if node.target in hooks:
+            hooks[node.target](node)
         node.target = kernel
     graph_module.recompile()
     return graph_module

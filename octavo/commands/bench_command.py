@@ -33,6 +33,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-pool-fraction", type=float, default=None, metavar="F",
                         help="size the KV pool to F x the blocks the whole workload needs at once (e.g. 0.25)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of a workload, split one decode step at 1 and at 64 sequences and one "
+                        "512-token prefill into scheduling, input building, model (linears, attention, other "
+                        "kernels, dispatch), sampling and detokenization")
     parser.add_argument("--server", metavar="URL", help="benchmark a running `octavo serve` (or any OpenAI-compatible "
                         "server) online: streaming requests with Poisson arrivals")
     parser.add_argument("--rate", type=float, default=float("inf"), help="with --server: requests/s (default inf)")
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
     engine = LLMEngine(artifact, config)
+    if args.profile:
+        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
     prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
     console.print(f"workload {workload.name}: {workload.description} "
                   f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
@@ -118,6 +124,18 @@ def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) 
                   f"{statistics.mean(baseline_result.itl_s) / statistics.mean(result.itl_s):.2f}x")
     console.print(f" ratio {workload.name}: octavo/{name} output tok/s = {ratio:.2f}x{decode}; "
                   f"identical greedy outputs {same}/{len(prompts)}", markup=False)
+
+
+def _run_profile(engine: LLMEngine, config, special: set[int]) -> int:
+    from octavo.bench.profile import format_profiles, profile_engine
+
+    console.print(f"profile of {engine.artifact.path} ({config.num_threads} threads, {engine.device}, "
+                  f"backend {engine.backend}, executor {engine.executor_kind}); phases are medians of "
+                  "unprofiled steps, the model split comes from one step under torch.profiler")
+    vocab_ids = [token for token in range(engine.vocab_size) if token not in special]
+    for line in format_profiles(profile_engine(engine, vocab_ids)):
+        console.print(line, markup=False)
+    return 0
 
 
 def _run_online(args: argparse.Namespace, workload) -> int:

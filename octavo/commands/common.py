@@ -28,6 +28,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     group.add_argument("--backend", choices=["auto", "torch", "triton", "cpu"], default=None)
+    group.add_argument("--executor", choices=["auto", "compiled", "eager"], default=None,
+                       help="compiled: the graph compiled ahead of time (CPU; CUDA graphs on CUDA), cached per "
+                       "machine; eager: node by node; auto (default): compiled where it can be built")
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (per rank)")
     group.add_argument("--speculative", metavar="SPEC", default=None,
                        help="speculative decoding: ngram:K (prompt lookup) or draft:PATH:K (a draft artifact with "
@@ -57,6 +60,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "preemption_mode": args.preemption_mode,
         "device": args.device,
         "backend": args.backend,
+        "executor": args.executor,
         "num_threads": args.threads,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,

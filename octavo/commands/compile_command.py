@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gptq-act-order", action="store_true",
                         help="w4-gptq: round columns by decreasing Hessian diagonal (group scales fixed up front)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+    parser.add_argument("--warmup", action="store_true",
+                        help="then compile the graph for this machine into the cache, as `octavo warmup` does")
     parser.set_defaults(run=run)
 
 
@@ -69,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"compiled {args.model} -> {path} in {elapsed:.1f}s")
         if config.dtype_choice:  # after the compile, so that bad input stays one error line
             console.print(f"dtype {config.dtype_choice}", markup=False)
+        if args.warmup:
+            from octavo.commands.warmup_command import warm_up
+            from octavo.config import EngineConfig
+
+            warm_up(str(path), EngineConfig())
     return 0
 
 

@@ -274,15 +274,17 @@ class BlockManager:
         step may already reuse these blocks. A block is entered with the cache
         entry of the block before it (or of that block's cached twin, same
         tokens after the same prefix); the chain stops at a block whose hash
-        another prefix owns (a collision).
+        another prefix owns (a collision). Blocks entered by an earlier call
+        are not visited again (`seq.cache_walk` records how far it got, and is
+        checked before use), so a step pays only for the blocks that just filled.
         """
         if not self.enable_prefix_caching:
             return
         hashes = seq.block_hashes(self)
         num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         num_full = min(num_tokens // self.block_size, len(hashes), len(seq.block_table))
-        parent_cache_id = None
-        for index in range(num_full):
+        start, parent_cache_id = self._resume_point(seq, hashes)
+        for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None:
                 tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
@@ -300,6 +302,25 @@ class BlockManager:
                         return  # another prefix owns this hash (a collision): the chain cannot continue
                     block = twin  # the same contents are cached in another block: continue from it
             parent_cache_id = block.cache_id
+            seq.cache_walk = (index + 1, seq.block_table[index], parent_cache_id)
+
+    def _resume_point(self, seq: Sequence, hashes: list[int]) -> tuple[int, int | None]:
+        """(first block to visit, cache id of the block before it) from `seq.cache_walk`, if still valid.
+
+        Valid when the last block it entered is still at its place in the table with the same cache entry
+        (its own, or its twin's); entries are unique, so the chain before it is unchanged too.
+        """
+        walk = seq.cache_walk
+        if walk is None:
+            return 0, None
+        count, block_id, cache_id = walk
+        if count > len(seq.block_table) or seq.block_table[count - 1] != block_id or count > len(hashes):
+            return 0, None
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            twin_id = self.hash_to_block.get(hashes[count - 1])
+            block = self.blocks[twin_id] if twin_id is not None else block
+        return (count, cache_id) if block.cache_id == cache_id else (0, None)
 
     def forget_uncomputed_blocks(self, seq: Sequence) -> None:
         """Take blocks of `seq` that were cached ahead of their computation out of the prefix cache.

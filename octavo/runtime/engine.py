@@ -17,12 +17,13 @@ from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
-from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.executor import create_executor, resolve_executor
 from octavo.runtime.host_pool import HostBlockPool
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 from octavo.runtime.loader import LoadedArtifact, load_artifact
 from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
+from octavo.runtime.model_runner import ModelRunner
 from octavo.runtime.output_processor import OutputProcessor
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.request import Request
@@ -31,6 +32,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.spec_decode.speculator import build_speculator
+from octavo.runtime.step_phases import StepPhases
 
 logger = logging.getLogger(__name__)
 
@@ -86,25 +88,39 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.preemption_mode,
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
-        self.executor = self.parallel.executor if self.parallel else GraphExecutor(
-            self.artifact.graph_module, self.artifact.weights, self.backend, self.device,
-            activation_dtype=getattr(torch, manifest["dtype"]))
+        if self.parallel is not None:
+            self.executor = self.parallel.executor
+            if resolve_executor(self.config.executor) == "compiled":
+                logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
+                               "is for single-process engines)")
+        else:
+            self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
+                                            activation_dtype=getattr(torch, manifest["dtype"]))
+        executor_kind = getattr(self.executor, "kind", "eager")
+        cuda_graphs = (self.device.type == "cuda" and self.parallel is None
+                       and resolve_executor(self.config.executor) != "eager")
+        self.runner = ModelRunner(self.executor, self.kv_cache.tensors, self.config.max_num_seqs,
+                                  -(-self.max_model_len // layout["block_size"]), self.device,
+                                  pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
+        self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
             from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
 
             self.pipeline = PipelinedSteps(self, self.config.pipeline_depth or self.config.pipeline_parallel_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
+        self.phases = StepPhases()
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
-                                       self.max_model_len)
+                                       self.max_model_len, self.phases)
         self.speculator = build_speculator(self) if self.config.speculative else None
         self.requests: dict[str, Request] = {}
         self.last_step: StepRecord | None = None
         self.num_steps = 0
         self._request_counter = itertools.count()
-        logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, backend %s, prefix caching %s, "
-                    "preemption %s, %d host blocks)", num_blocks, layout["block_size"],
+        logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, backend %s, executor %s, "
+                    "prefix caching %s, preemption %s, %d host blocks)", num_blocks, layout["block_size"],
                     num_blocks * layout["block_size"], self.kv_cache.num_bytes / 2**20, self.device, self.backend,
+                    self.executor_kind,
                     "on" if self.config.enable_prefix_caching else "off", self.config.preemption_mode,
                     num_host_blocks)
 
@@ -195,7 +211,8 @@ class LLMEngine:
         self.outputs.sample_and_append(rows, logits)
         if self.speculator is not None:
             self.speculator.verify(schedule, inputs, logits)
-        return self._collect_outputs({item.seq.request_id for item in schedule.scheduled})
+        with self.phases.time("outputs"):
+            return self._collect_outputs({item.seq.request_id for item in schedule.scheduled})
 
     def execute_step(self, proposals: dict[Sequence, list[int]] | None = None
                      ) -> tuple[SchedulerOutput, StepInputs, torch.Tensor] | None:
@@ -203,24 +220,29 @@ class LLMEngine:
 
         `proposals` (speculative tokens) are computed too; they are not counted as computed here.
         """
-        schedule = self.scheduler.schedule(proposals)
+        with self.phases.time("schedule"):
+            schedule = self.scheduler.schedule(proposals)
         if schedule.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return None
-        self._move_blocks(schedule)
-        inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
-        feed = {**inputs.to(self.device).as_dict(), **self.kv_cache.tensors}
-        logits = self.executor.run(feed)
+        with self.phases.time("schedule"):
+            self._move_blocks(schedule)
+        with self.phases.time("inputs"):
+            inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
+            feed = self.runner.prepare(inputs)
+        with self.phases.time("model"):
+            logits = self.runner.execute(feed)
         self.last_step = StepRecord(schedule, inputs, logits)
         self.num_steps += 1
-        for index, (first_row, count) in inputs.prompt_rows.items():
-            seq = schedule.scheduled[index].seq
-            self.outputs.add_prompt_logprobs(self.requests[seq.request_id], logits[first_row:first_row + count],
-                                             seq.num_computed_tokens)
-        for item in schedule.scheduled:
-            item.seq.num_computed_tokens += item.num_real_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+        with self.phases.time("bookkeeping"):
+            for index, (first_row, count) in inputs.prompt_rows.items():
+                seq = schedule.scheduled[index].seq
+                self.outputs.add_prompt_logprobs(self.requests[seq.request_id],
+                                                 logits[first_row:first_row + count], seq.num_computed_tokens)
+            for item in schedule.scheduled:
+                item.seq.num_computed_tokens += item.num_real_tokens
+                self.block_manager.cache_full_blocks(item.seq)
         return schedule, inputs, logits
 
     def _move_blocks(self, schedule: SchedulerOutput) -> None:

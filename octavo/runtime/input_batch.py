@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -121,8 +122,11 @@ def _new_token_ids(scheduled: list[ScheduledSequence]) -> list[int]:
 
 
 def _padded_block_tables(scheduled: list[ScheduledSequence]) -> torch.Tensor:
-    width = max(len(item.seq.block_table) for item in scheduled)
-    table = torch.zeros(len(scheduled), max(width, 1), dtype=torch.int32)
-    for row, item in enumerate(scheduled):
-        table[row, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
+    """[B, longest table] int32, zero-padded: all tables' ids written by one masked assignment."""
+    lengths = torch.tensor([len(item.seq.block_table) for item in scheduled])
+    width = max(int(lengths.max()), 1)
+    table = torch.zeros(len(scheduled), width, dtype=torch.int32)
+    block_ids = list(itertools.chain.from_iterable(item.seq.block_table for item in scheduled))
+    # The mask's True entries, in row-major order, are exactly the table entries, in the same order.
+    table[torch.arange(width) < lengths.unsqueeze(1)] = torch.tensor(block_ids, dtype=torch.int32)
     return table

@@ -11,6 +11,7 @@ from octavo.runtime.request import Request
 from octavo.runtime.sampler import Sampler, SamplerOutput, SamplingRow
 from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.sequence import Sequence, SequenceStatus
+from octavo.runtime.step_phases import StepPhases
 from octavo.runtime.stop_checker import check_stop
 
 
@@ -18,7 +19,8 @@ class OutputProcessor:
     """Samples the next tokens of a step and applies them: append, detokenize, stop checks."""
 
     def __init__(self, sampler: Sampler, scheduler: Scheduler, tokenizer, eos_token_ids: list[int],
-                 max_model_len: int):
+                 max_model_len: int, phases: StepPhases | None = None):
+        self.phases = phases or StepPhases()
         self.sampler = sampler
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -29,13 +31,24 @@ class OutputProcessor:
         """`rows` pairs each sequence with its logits row (parallel samples share their parent's row)."""
         if not rows:
             return
-        row_index = torch.tensor([row for _, row in rows], device=logits.device)
-        sequences = [seq for seq, _ in rows]
-        sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
-                         for seq in sequences]
-        result = self.sampler(logits.index_select(0, row_index), sampling_rows)
-        token_ids = result.token_ids.tolist()
-        logprobs = result.sampled_logprobs.tolist()
+        with self.phases.time("sample"):
+            row_ids = [row for _, row in rows]
+            if row_ids != list(range(logits.shape[0])):  # forks share a row; prompt-logprob rows follow
+                logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+            sequences = [seq for seq, _ in rows]
+            sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+                             for seq in sequences]
+            # Logprobs (a full-vocabulary log_softmax per row) only for the rows whose request shows them.
+            logprob_rows = [index for index, seq in enumerate(sequences) if seq.params.logprobs is not None]
+            result = self.sampler(logits, sampling_rows, logprob_rows)
+            token_ids = result.token_ids.tolist()
+            logprobs = result.sampled_logprobs.tolist()
+        with self.phases.time("detokenize"):
+            self._append(sequences, result, token_ids, logprobs)
+
+    def _append(self, sequences: list[Sequence], result: SamplerOutput, token_ids: list[int],
+                logprobs: list[float]) -> None:
+        """Append each sequence's token, its logprobs and its text delta; finish the ones that stop."""
         for index, seq in enumerate(sequences):
             entry = self.logprob_entry(result, index, seq.params.logprobs) if seq.output_logprobs is not None else None
             self.append_token(seq, token_ids[index], logprobs[index], entry)
@@ -43,7 +56,8 @@ class OutputProcessor:
     def append_token(self, seq: Sequence, token_id: int, logprob: float, logprob_entry: dict | None) -> bool:
         """Append one chosen token with its logprob (entry) and text; stop checks. Returns whether `seq` finished."""
         seq.append_token(token_id)
-        seq.cumulative_logprob += logprob
+        if seq.params.logprobs is not None:  # other rows' logprobs are not computed (NaN)
+            seq.cumulative_logprob += logprob
         if seq.output_logprobs is not None:
             seq.output_logprobs.append(logprob_entry)
         delta = seq.detokenizer.append([token_id])

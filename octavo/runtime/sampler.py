@@ -107,19 +107,52 @@ class Sampler:
 
     # ----- public entry points -----
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row from ``logits`` [N, V_graph >= vocab_size] (any float dtype)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 logprob_rows: Sequence[int] | None = None) -> SamplerOutput:
+        """Sample one token per row from ``logits`` [N, V_graph >= vocab_size] (any float dtype).
+
+        ``logprob_rows`` (default: all rows) lists the rows whose logprobs are wanted: only those
+        pay for a full-vocabulary log_softmax. The other rows get NaN in ``sampled_logprobs``, 0 in
+        ``sampled_ranks`` and in the top columns NaN values and token id -1; their tokens are the same.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows "
                 f"and vocab size {self.vocab_size}"
             )
         raw_logits = logits[:, : self.vocab_size].float()
-        raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
-        processed = self._apply_bias_and_min_tokens(raw_logits.clone(), rows)
+        processed = self._apply_bias_and_min_tokens(raw_logits, rows)
         processed = self._apply_penalties(processed, rows)
         token_ids = self._choose_tokens(processed, rows)
-        return self.score(raw_logprobs, token_ids, rows)
+        return self._logprobs(raw_logits, rows, token_ids, logprob_rows)
+
+    def _logprobs(self, raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor,
+                  logprob_rows: Sequence[int] | None) -> SamplerOutput:
+        """The SamplerOutput of `token_ids`: logprobs, ranks and top logprobs of the `logprob_rows`."""
+        max_logprobs = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        num_top = None if max_logprobs is None else min(max_logprobs, self.vocab_size)
+        if logprob_rows is None or len(logprob_rows) == len(rows):
+            raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
+            sampled_logprobs, ranks = _logprobs_and_ranks(raw_logprobs, token_ids)
+            top_logprobs = top_token_ids = None
+            if num_top is not None:
+                top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+            return SamplerOutput(token_ids, sampled_logprobs, ranks, top_logprobs, top_token_ids)
+        device = raw_logits.device
+        count = len(rows)
+        sampled_logprobs = torch.full((count,), float("nan"), device=device)
+        ranks = torch.zeros(count, dtype=torch.int64, device=device)
+        top_logprobs = top_token_ids = None
+        if num_top is not None:
+            top_logprobs = torch.full((count, num_top), float("nan"), device=device)
+            top_token_ids = torch.full((count, num_top), -1, dtype=torch.int64, device=device)
+        if len(logprob_rows):
+            index = _int64(list(logprob_rows), device)
+            raw_logprobs = torch.log_softmax(raw_logits[index], dim=-1)
+            sampled_logprobs[index], ranks[index] = _logprobs_and_ranks(raw_logprobs, token_ids[index])
+            if num_top is not None:
+                top_logprobs[index], top_token_ids[index] = raw_logprobs.topk(num_top, dim=-1)
+        return SamplerOutput(token_ids, sampled_logprobs, ranks, top_logprobs, top_token_ids)
 
     def score(self, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The SamplerOutput of chosen ``token_ids`` [N] given each row's ``raw_logprobs`` [N, V]."""
@@ -198,6 +231,7 @@ class Sampler:
     # ----- logit processing -----
 
     def _apply_bias_and_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`logits` with logit_bias added and min_tokens bans applied: a copy when any row has one."""
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
         bias_values: list[float] = []
@@ -213,6 +247,9 @@ class Sampler:
                 banned = self._min_tokens_banned_ids(row.params)
                 banned_rows.extend([index] * len(banned))
                 banned_tokens.extend(banned)
+        if not bias_rows and not banned_rows:
+            return logits
+        logits = logits.clone()
         device = logits.device
         if bias_rows:
             indices = (_int64(bias_rows, device), _int64(bias_tokens, device))

@@ -57,6 +57,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     _block_hashes: list[int] = field(default_factory=list, repr=False)
+    # Where BlockManager.cache_full_blocks resumes: (blocks entered, last entered block id, its cache id).
+    cache_walk: tuple[int, int, int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -127,6 +129,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the cache state (after preemption by recompute): everything is recomputed."""
         self.block_table = []
+        self.cache_walk = None
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

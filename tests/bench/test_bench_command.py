@@ -116,3 +116,20 @@ def test_fused_versus_unfused_artifact(long_context_model, long_context_artifact
     output = bench(str(long_context_artifact), "--workload", "single", "--vs-artifact", str(unfused))
     assert f"octavo[{unfused}] single: 1 req" in output
     assert identical(output) == (1, 1)
+
+
+def test_profile_splits_decode_and_prefill_steps(long_context_artifact):
+    """`bench --profile` splits each scenario's step by phase and its model time by op kind."""
+    output = bench(str(long_context_artifact), "--profile", "--num-kv-blocks", "2700")
+    scenarios = re.findall(r"^(decode, 1 sequence|decode, 64 sequences|prefill, 512 tokens): step ([\d.]+) ms .*"
+                           r"host work ([\d.]+) ms", output, re.MULTILINE)
+    assert [name for name, _, _ in scenarios] == ["decode, 1 sequence", "decode, 64 sequences",
+                                                 "prefill, 512 tokens"], output
+    assert all(float(host) < float(step) for _, step, host in scenarios)
+    phase_lines = [line for line in output.splitlines() if line.strip().startswith("phases:")]
+    assert len(phase_lines) == 3 and all("model" in line and "detokenize" in line for line in phase_lines)
+    model_lines = [line for line in output.splitlines() if "model under torch.profiler" in line]
+    assert len(model_lines) == 3
+    for line in model_lines:  # the graph's linears and its paged-attention op are found among the profiled ops
+        shares = dict(re.findall(r"(linears|attention|other kernels|graph dispatch) [\d.]+ ms \(([\d.]+)%\)", line))
+        assert float(shares["linears"]) > 0 and float(shares["attention"]) > 0, line

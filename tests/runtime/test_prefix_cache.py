@@ -86,6 +86,66 @@ def test_a_fully_cached_prompt_recomputes_its_last_block():
     assert hits_for(manager, make_sequence("other-start", [0, *range(2, 13)])) == []
 
 
+# ---- entering blocks as they fill ----
+
+class CountingBlocks(list):
+    """The manager's block list, counting how often a block is looked at."""
+
+    visits = 0
+
+    def __getitem__(self, index):
+        self.visits += 1
+        return super().__getitem__(index)
+
+
+def decode(manager: BlockManager, seq: Sequence, token: int) -> None:
+    """One decode step of `seq`: a token appended, room for it, its K/V computed, full blocks entered."""
+    seq.append_token(token)
+    manager.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+
+
+def block_visits_per_step(prompt_length: int) -> list[int]:
+    """Blocks looked at by each of 12 decode steps (allocation included) after a prompt of that length."""
+    manager = BlockManager(num_blocks=200, block_size=4, enable_prefix_caching=True)
+    seq = make_sequence("a", list(range(1, prompt_length + 1)))
+    compute(manager, seq)
+    manager.blocks = counting = CountingBlocks(manager.blocks)
+    visits = []
+    for token in range(1000, 1012):
+        before = counting.visits
+        decode(manager, seq, token)
+        visits.append(counting.visits - before)
+    assert all(manager.blocks[block].block_hash is not None for block in seq.block_table[:seq.num_tokens // 4])
+    return visits
+
+
+def test_each_step_enters_only_the_blocks_that_just_filled():
+    """A step's work on the prefix cache does not grow with the sequence: 7 or 70 full blocks before it."""
+    assert block_visits_per_step(29) == block_visits_per_step(281)
+
+
+def test_blocks_entered_after_a_cached_twin_chain_from_the_twin():
+    """b computes the same first two blocks as a (twins, not entered); its third block follows a's entries."""
+    manager = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    prefix = list(range(1, 9))
+    first = make_sequence("a", [*prefix, 50])
+    compute(manager, first)
+    second = make_sequence("b", [*prefix, 60])  # admitted without a lookup: computes its own copies
+    compute(manager, second)
+    for token in (61, 62, 63):
+        decode(manager, second, token)
+    assert [manager.blocks[block].block_hash is not None for block in second.block_table] == [False, False, True]
+    reader = make_sequence("c", [*prefix, 60, 61, 62, 63, 0])
+    assert hits_for(manager, reader) == [*first.block_table[:2], second.block_table[2]]
+    manager.free(second)  # the walk starts over on a new table
+    manager.take_prefix_hits(second, hits_for(manager, reader))
+    second.num_computed_tokens = 12
+    manager.cache_full_blocks(second)
+    assert second.cache_walk[0] == 3
+
+
 # ---- hits are confirmed against the tokens ----
 
 def hash_ignoring_first_token(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

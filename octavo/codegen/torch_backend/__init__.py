@@ -1,9 +1,15 @@
-"""The torch backend: the reference and CPU implementation of every octavo op."""
+"""The torch backend: the reference and CPU implementation of every octavo op.
+
+KERNELS maps each octavo op to its kernel registered as an ``octavo_torch::``
+custom op (see octavo.codegen.kernel_ops); PYTHON_KERNELS holds the plain
+functions, which the compiled executor may inline for Inductor to fuse.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from octavo.codegen.kernel_ops import kernel_op_table
 from octavo.codegen.torch_backend import quantized_linear  # noqa: F401  (registers the octavo_torch ops)
 from octavo.codegen.torch_backend.activation import silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
@@ -14,7 +20,7 @@ from octavo.codegen.torch_backend.rotary import rotary_embedding
 
 octavo = torch.ops.octavo
 
-KERNELS = {
+PYTHON_KERNELS = {
     octavo.paged_attention.default: paged_attention,
     octavo.rms_norm.default: rms_norm,
     octavo.fused_add_rms_norm.default: fused_add_rms_norm,
@@ -31,3 +37,5 @@ KERNELS = {
     octavo.linear_fp8.default: octavo.linear_fp8.default,
     octavo.linear_w16.default: linear_w16,
 }
+
+KERNELS = kernel_op_table("octavo_torch", PYTHON_KERNELS)

@@ -55,12 +55,19 @@ def agree_on_minimum(values: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def build_rank_state(program: RankProgram, groups: RankGroups, config: EngineConfig, backend: str,
-                     device: torch.device, cache_class: type[KVCache] = KVCache) -> RankState:
-    """Agree on the cache size with the other ranks, allocate this rank's share, build the executor."""
+                     device: torch.device, activation_dtype: torch.dtype | None = None,
+                     cache_class: type[KVCache] = KVCache) -> RankState:
+    """Agree on the cache size with the other ranks, allocate this rank's share, build the executor.
+
+    `activation_dtype` is the artifact's dtype (the quantized linears' kernels are chosen for it).
+    Ranks run their graph eagerly, whatever config.executor says: the compiled executor's package
+    is keyed by the artifact, not by a rank's program, and AOTInductor would fix the process-group
+    names of the functional collectives in the compiled library.
+    """
     num_blocks, num_host_blocks = agree_on_minimum(cache_size_candidates(program, config, device))
     kv_cache = cache_class(program.kv_layout, num_blocks, device, num_host_blocks)
     graph_module = lower_collectives(program.graph_module, groups.logical_groups)
-    executor = GraphExecutor(graph_module, program.weights, backend, device)
+    executor = GraphExecutor(graph_module, program.weights, backend, device, activation_dtype)
     logger.info("rank %d: %d KV blocks (%.1f MiB, %d kv heads x %d layers)", groups.rank, num_blocks,
                 kv_cache.num_bytes / 2**20, program.kv_layout["num_kv_heads"], program.kv_layout["num_layers"])
     return RankState(program, executor, kv_cache, num_host_blocks)

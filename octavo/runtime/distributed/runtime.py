@@ -94,7 +94,8 @@ class ParallelRuntime:
             if causes:
                 raise WorkerFailedError(f"distributed engine could not start: {'; '.join(causes)}")
             groups = init_groups(self.topology, 0, self.store, config.collective_timeout, device)
-            self.state = build_rank_state(program, groups, config, backend, device, cache_class=RecordingKVCache)
+            self.state = build_rank_state(program, groups, config, backend, device,
+                                          getattr(torch, self.manifest["dtype"]), RecordingKVCache)
         except Exception as error:
             failure = self._diagnosed(error, "start-up")
             self.workers.join(timeout=1.0)

@@ -77,7 +77,8 @@ def run_worker(spec: WorkerSpec) -> None:
         program = prepare_rank_program(graph_module, weights, manifest, spec.topology.position(spec.rank))
         mark_ready(store, spec.rank)
         groups = init_groups(spec.topology, spec.rank, store, spec.config.collective_timeout, device)
-        state = build_rank_state(program, groups, spec.config, spec.backend, device)
+        state = build_rank_state(program, groups, spec.config, spec.backend, device,
+                                 getattr(torch, manifest["dtype"]))
         transport = StepTransport(groups, step_input_names(manifest), step_input_dtypes(manifest), device)
         sends_logits = program.pipeline_stage is None or not program.pipeline_stage["outputs"]
         sends_logits = sends_logits and groups.topology.position(spec.rank).tp_rank == 0

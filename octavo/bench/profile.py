@@ -1,0 +1,188 @@
+"""`octavo bench --profile`: where the time of one engine step goes.
+
+Three scenarios on the engine as configured: a decode step at 1 sequence, a
+decode step at 64 sequences (contexts spread evenly over 64-640 tokens), and
+one 512-token prefill. For each, the step is split in two ways:
+
+- by phase, from wall-clock timers around the engine's own phases (no profiler
+  attached, the median over several steps): scheduling, input building, the
+  model, bookkeeping after it, sampling, detokenization (with stop checks),
+  output collection;
+- the model phase by what ran inside it, from one step under torch.profiler:
+  linears (GEMMs), attention (the paged-attention op with the KV write), other
+  kernels (norms, RoPE, activations, fused pointwise groups, embedding, views),
+  and graph dispatch: the model's time outside any op, which is the Python (or
+  compiled wrapper) code that calls the ops. The profiler adds a few
+  microseconds per op, so these figures are read as shares, not absolutes.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.runtime.engine import LLMEngine
+from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.step_phases import PHASE_LABEL_PREFIX
+
+PHASES = ("schedule", "inputs", "model", "bookkeeping", "sample", "detokenize", "outputs")
+MODEL_PARTS = ("linears", "attention", "other kernels", "graph dispatch")
+CONTEXT_RANGE = (64, 640)
+PREFILL_TOKENS = 512
+MEASURED_STEPS = 5
+WARM_STEPS = 2
+
+# Profiler ranges that only wrap a compiled graph: looked through when finding the ops a model step ran.
+_WRAPPER_PREFIXES = ("## ", "Torch-Compiled Region", "TorchDynamo", "CompiledFunction", "AOTDispatcher",
+                     "Pregraph bytecode", "Call CompiledFxGraph", "cudaGraph")
+# Name parts of GEMM ops: ATen's, the compiled graph's C shims (aoti_torch_cpu_mm_out), oneDNN's, octavo's linears.
+_LINEAR_WORDS = {"mm", "addmm", "bmm", "matmul", "linear", "mkldnn", "mkl", "onednn"}
+
+
+@dataclass
+class StepProfile:
+    """One scenario: median seconds per phase, and the model phase split by op kind (profiled step)."""
+
+    name: str
+    num_tokens: int
+    phase_seconds: dict[str, float]
+    model_parts: dict[str, float] = field(default_factory=dict)
+    profiled_model_seconds: float = 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.phase_seconds.values())
+
+    @property
+    def host_seconds(self) -> float:
+        """Everything but the model: the engine's own work per step."""
+        return self.step_seconds - self.phase_seconds.get("model", 0.0)
+
+
+def profile_engine(engine: LLMEngine, vocab_ids: list[int], batch_sizes: Iterable[int] = (1, 64)) -> list[StepProfile]:
+    """Run every scenario on `engine` (which must be idle) with prompts drawn from `vocab_ids`."""
+    generator = torch.Generator().manual_seed(0)
+    profiles = [_decode_profile(engine, batch, vocab_ids, generator) for batch in batch_sizes]
+    profiles.append(_prefill_profile(engine, vocab_ids, generator))
+    return profiles
+
+
+def decode_contexts(batch: int) -> list[int]:
+    """Context lengths of a decode batch: evenly spread over CONTEXT_RANGE; one sequence sits mid-range."""
+    low, high = CONTEXT_RANGE
+    if batch == 1:
+        return [(low + high) // 2]
+    return [low + (high - low) * index // (batch - 1) for index in range(batch)]
+
+
+def _draw(vocab_ids: list[int], count: int, generator: torch.Generator) -> list[int]:
+    picks = torch.randint(len(vocab_ids), (count,), generator=generator).tolist()
+    return [vocab_ids[pick] for pick in picks]
+
+
+def _decode_profile(engine: LLMEngine, batch: int, vocab_ids: list[int], generator) -> StepProfile:
+    steps = WARM_STEPS + MEASURED_STEPS + 1
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    # A prompt of context - 1 tokens: its first decode step attends over `context` tokens.
+    requests = [engine.add_request(_draw(vocab_ids, context - 1, generator), params)
+                for context in decode_contexts(batch)]
+    while any(seq.num_output_tokens == 0 for request in requests for seq in request.sequences):
+        engine.step()
+    profile = _measure(engine, f"decode, {batch} sequence{'s' if batch > 1 else ''}", batch)
+    for request in requests:
+        engine.abort_request(request.request_id)
+    return profile
+
+
+def _prefill_profile(engine: LLMEngine, vocab_ids: list[int], generator) -> StepProfile:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    runs = []
+    for _ in range(WARM_STEPS + MEASURED_STEPS):
+        engine.add_request(_draw(vocab_ids, PREFILL_TOKENS, generator), params)
+        with engine.phases.record() as seconds:
+            engine.step()
+        runs.append(dict(seconds))
+    profile = StepProfile(f"prefill, {PREFILL_TOKENS} tokens", PREFILL_TOKENS, _median(runs[WARM_STEPS:]))
+    engine.add_request(_draw(vocab_ids, PREFILL_TOKENS, generator), params)
+    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    return profile
+
+
+def _measure(engine: LLMEngine, name: str, num_tokens: int) -> StepProfile:
+    for _ in range(WARM_STEPS):
+        engine.step()
+    runs = []
+    for _ in range(MEASURED_STEPS):
+        with engine.phases.record() as seconds:
+            engine.step()
+        runs.append(dict(seconds))
+    profile = StepProfile(name, num_tokens, _median(runs))
+    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    return profile
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {phase: statistics.median(run.get(phase, 0.0) for run in runs) for phase in PHASES}
+
+
+def _profiled_step(engine: LLMEngine) -> tuple[dict[str, float], float]:
+    """One step under torch.profiler: seconds of the model phase per MODEL_PARTS kind, and its total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler, engine.phases.record():
+        engine.step()
+    return split_model_time(profiler.events())
+
+
+def split_model_time(events) -> tuple[dict[str, float], float]:
+    """Split the octavo::model range of a profiler trace into MODEL_PARTS (seconds) and its total."""
+    label = PHASE_LABEL_PREFIX + "model"
+    regions = [event for event in events if event.name == label]
+    total = sum(event.cpu_time_total for event in regions) / 1e6
+    parts = dict.fromkeys(MODEL_PARTS, 0.0)
+    for event in events:
+        if _is_wrapper(event.name) or event.name == label:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and _is_wrapper(parent.name):
+            parent = parent.cpu_parent
+        if parent is None or parent.name != label:
+            continue
+        parts[_kind(event.name)] += event.cpu_time_total / 1e6
+    parts["graph dispatch"] = max(0.0, total - sum(parts.values()))
+    return parts, total
+
+
+def _is_wrapper(name: str) -> bool:
+    return name.startswith(_WRAPPER_PREFIXES)
+
+
+def _kind(name: str) -> str:
+    lowered = name.lower()
+    if "paged_attention" in lowered:
+        return "attention"
+    if _LINEAR_WORDS & set(re.split(r"[^a-z0-9]+", lowered)) or "linear" in lowered:
+        return "linears"
+    return "other kernels"
+
+
+def format_profiles(profiles: list[StepProfile]) -> list[str]:
+    """Readable lines: per scenario the phase split and the model split, in ms and % of the step."""
+    lines = []
+    for profile in profiles:
+        step = profile.step_seconds
+        host_share = profile.host_seconds / step if step else 0.0
+        lines.append(f"{profile.name}: step {step * 1e3:.1f} ms ({profile.num_tokens / step:.0f} tokens/s), "
+                     f"host work {profile.host_seconds * 1e3:.1f} ms = {host_share:.1%} of the step")
+        lines.append("  phases:  " + ", ".join(f"{phase} {seconds * 1e3:.2f} ms ({seconds / step:.1%})"
+                                               for phase, seconds in profile.phase_seconds.items()))
+        model = profile.profiled_model_seconds
+        if model:
+            lines.append(f"  model under torch.profiler {model * 1e3:.1f} ms: " + ", ".join(
+                f"{part} {seconds * 1e3:.2f} ms ({seconds / model:.1%})"
+                for part, seconds in profile.model_parts.items()))
+    return lines
