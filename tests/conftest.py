@@ -125,7 +125,7 @@ def tiny_mqa_artifact(tmp_path_factory, tokenizer_dir) -> Path:
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, directory / file.name)
     return compile_model(directory, tmp_path_factory.mktemp("artifact-mqa") / "artifact",
-                         CompileConfig(disabled_passes=("fuse_qkv", "fuse_gate_up")))
+                         CompileConfig(dtype="float32", disabled_passes=("fuse_qkv", "fuse_gate_up")))
 
 
 @pytest.fixture(scope="session")
@@ -141,7 +141,8 @@ def tiny_quantized_artifact(tmp_path_factory, tiny_model_dir):
         if key not in made:
             name = "-".join(f"{value}" for value in options.values())
             output = tmp_path_factory.mktemp(f"artifact-{model_type}-{name}") / "artifact"
-            made[key] = compile_model(tiny_model_dir(model_type), output, CompileConfig(**options))
+            made[key] = compile_model(tiny_model_dir(model_type), output,
+                                      CompileConfig(**{"dtype": "float32", **options}))
         return made[key]
 
     return build

@@ -11,7 +11,7 @@ def test_inspect_names_the_calibration_of_a_calibrated_artifact(tiny_model_dir, 
     text = tmp_path / "calibration.txt"
     text.write_text("A short calibration text: the float model runs on it once. " * 8)
     artifact = compile_model(tiny_model_dir("llama"), tmp_path / "artifact",
-                             CompileConfig(quant="w4-gptq", group_size=16, gptq_act_order=True,
+                             CompileConfig(dtype="float32", quant="w4-gptq", group_size=16, gptq_act_order=True,
                                            calibration=str(text)))
     result = run_cli("inspect", str(artifact))
     assert result.returncode == 0, result.stderr

@@ -25,8 +25,9 @@ from octavo.runtime.weights import load_safetensors_mmap
 
 pytestmark = pytest.mark.slow
 SLICE_TOKENS = 1024  # three windows of 512 at stride 256
-VARIANTS = {"w8": CompileConfig(quant="w8"), "w4": CompileConfig(quant="w4"),
-            "w4-vocab4": CompileConfig(quant="w4", vocab_quant="w4"), "kv-int8": CompileConfig(kv_cache_dtype="int8")}
+VARIANTS = {"w8": CompileConfig(dtype="float32", quant="w8"), "w4": CompileConfig(dtype="float32", quant="w4"),
+            "w4-vocab4": CompileConfig(dtype="float32", quant="w4", vocab_quant="w4"),
+            "kv-int8": CompileConfig(dtype="float32", kv_cache_dtype="int8")}
 
 
 @pytest.fixture(scope="module")

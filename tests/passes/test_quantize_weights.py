@@ -218,7 +218,7 @@ def test_a_calibrated_scheme_gets_the_calibration_tokens_and_the_manifest_names_
     text = tmp_path / "calibration.jsonl"
     text.write_text('{"text": "Calibration text for a test."}\n{"text": "A second record."}\n')
     artifact = compile_model(tiny_model_dir("llama"), tmp_path / "artifact",
-                             CompileConfig(quant="w4-gptq", calibration=str(text)))
+                             CompileConfig(dtype="float32", quant="w4-gptq", calibration=str(text)))
     expected = AutoTokenizer.from_pretrained(tokenizer_dir).encode(
         "Calibration text for a test.\n\nA second record.", add_special_tokens=False)
     assert seen[0].token_ids == expected and seen[0].samples(4, 2) == [expected[:4], expected[4:8]]

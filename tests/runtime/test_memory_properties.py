@@ -92,7 +92,7 @@ def model(tmp_path_factory, tokenizer_dir) -> Model:
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, directory / file.name)
     path = compile_model(directory, tmp_path_factory.mktemp("small-vocab-artifact") / "artifact",
-                         CompileConfig(block_size=BLOCK_SIZE))
+                         CompileConfig(dtype="float32", block_size=BLOCK_SIZE))
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
     return Model(load_artifact(path), hf)
 
