@@ -16,7 +16,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("-o", "--output", help="artifact directory to write")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="compute dtype; auto (default): bfloat16 where this CPU computes it natively (AMX), "
-                             "else float32 with bfloat16 weights")
+                             "else float32")
     parser.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
                         help="store a float32 artifact's linear and embedding weights in 16 bits "
                              "(half the bytes per decode step; compute stays float32)")

@@ -36,7 +36,7 @@ def add_parsers(subparsers) -> None:
 
     demo = subparsers.add_parser("demo", help="compile the bundled model (cached) and answer a few chat prompts")
     demo.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                      help="auto (default): bf16 where this CPU computes it natively, else float32 over bf16 weights")
+                      help="auto (default): bf16 where this CPU computes it natively, else float32")
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.set_defaults(run=run_demo)
 

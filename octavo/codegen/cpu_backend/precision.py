@@ -4,8 +4,11 @@ Measured on an AVX-512 CPU with AVX512_BF16 and no AMX (AMD Zen 5, 2 threads, to
 SmolLM2's 576x1536 linear): bfloat16 linears ran ~7x slower than float32 at m=1 and ~2x slower at
 m=64, faster only from m=512 on. Decode runs at m = batch size, so there bfloat16 compute loses;
 AVX2-only CPUs emulate it (~7x slower). Only AMX makes bf16 (AMX-BF16) or fp16 (AMX-FP16) matmuls
-fast at every m. Where they are not fast, float32 compute over bfloat16-stored weights reads the
-same bytes per decode step as a bf16 artifact and computes at float32 speed.
+fast at every m. Where they are not fast, auto picks float32 weights and compute: the compiled
+executor runs float32 linears on oneDNN-prepacked weights, which measured faster than float32
+compute over bfloat16-stored weights (the opaque linear_w16 kernel) at every batch above one
+(SmolLM2, same machine: 64 requests 264 vs 149 output tok/s, a shared prefix 339 vs 175); the 16-bit
+weights win only single-stream decode (~10%), where `--weight-dtype bfloat16` asks for them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from octavo.config import CompileConfig
 
 logger = logging.getLogger(__name__)
 
-FIX_HINT = "recompile with --dtype float32 --weight-dtype bfloat16 (or --dtype auto)"
+FIX_HINT = "recompile with --dtype float32 (or --dtype auto)"
 
 
 @dataclass(frozen=True)
@@ -43,18 +46,19 @@ def fast_compute_dtypes(target: CpuTarget | None = None) -> tuple[str, ...]:
 
 
 def choose_precision(weight_dtype: str | None = None, target: CpuTarget | None = None) -> PrecisionChoice:
-    """--dtype auto: bfloat16 where AMX computes it natively, else float32 compute with 16-bit weights.
+    """--dtype auto: bfloat16 where AMX computes it natively, else float32 (weights as `weight_dtype` says).
 
     An explicit `weight_dtype` other than bfloat16 keeps float32 compute (a bf16 artifact stores bf16).
     """
     target = target or cpu_target()
     if "bfloat16" in fast_compute_dtypes(target) and weight_dtype in (None, "bfloat16"):
         return PrecisionChoice("bfloat16", "bfloat16", f"{target.describe()}: AMX computes bfloat16 natively")
-    storage = weight_dtype or "bfloat16"
+    storage = weight_dtype or "float32"
     why = ("AVX512_BF16 without AMX measured slower than float32 at decode batch sizes" if target.avx512_bf16
            else "no native bfloat16 matmul")
-    return PrecisionChoice("float32", storage, f"{target.describe()}: {why}; float32 compute over {storage} weights "
-                                               f"reads half the weight bytes of float32")
+    weights = (f"float32 compute over {storage} weights" if storage != "float32" else
+               "float32 on prepacked weights (--weight-dtype bfloat16 halves the bytes a single-stream step reads)")
+    return PrecisionChoice("float32", storage, f"{target.describe()}: {why}; {weights}")
 
 
 def resolve_precision(config: CompileConfig) -> CompileConfig:

@@ -1,4 +1,4 @@
-"""--dtype auto and the slow-dtype warning: bf16 compute only where AMX makes it fast, else fp32 over bf16 weights."""
+"""--dtype auto and the slow-dtype warning: bf16 compute only where AMX makes it fast, else fp32."""
 
 from __future__ import annotations
 
@@ -23,8 +23,11 @@ def test_auto_picks_bf16_only_with_amx():
     assert (choose_precision(target=AMX).dtype, choose_precision(target=AMX).weight_dtype) == ("bfloat16", "bfloat16")
     for target in (AVX512_BF16, AVX2):
         choice = choose_precision(target=target)
-        assert (choice.dtype, choice.weight_dtype) == ("float32", "bfloat16")
-        assert "float32 compute over bfloat16 weights" in choice.reason
+        assert (choice.dtype, choice.weight_dtype) == ("float32", "float32")
+        assert "--weight-dtype bfloat16" in choice.reason
+        narrowed = choose_precision("bfloat16", target)
+        assert (narrowed.dtype, narrowed.weight_dtype) == ("float32", "bfloat16")
+        assert "float32 compute over bfloat16 weights" in narrowed.reason
     assert "AVX512_BF16 without AMX measured slower" in choose_precision(target=AVX512_BF16).reason
     # Asking for fp16 storage keeps float32 compute even where bf16 compute would be fast.
     assert (choose_precision("float16", AMX).dtype, choose_precision("float16", AMX).weight_dtype) == (
