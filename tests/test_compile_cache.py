@@ -113,8 +113,11 @@ def test_auto_is_keyed_and_recorded_as_the_machine_choice(model_dir):
     source = load_model(model_dir)
     resolved = resolve_precision(CompileConfig())
     assert cache_key(source, CompileConfig()) == cache_key(source, resolved)
-    # auto never means plain float32: bf16 compute, or float32 over 16-bit weights.
-    assert cache_key(source, CompileConfig()) != cache_key(source, CompileConfig(dtype="float32"))
+    # auto is the artifact of the machine's choice: the same entry as asking for that choice explicitly.
+    explicit = CompileConfig(dtype=resolved.dtype, weight_dtype=resolved.weight_dtype)
+    assert cache_key(source, CompileConfig()) == cache_key(source, explicit)
+    plain = resolved.dtype == "float32" and resolved.storage_dtype == "float32"
+    assert (cache_key(source, CompileConfig()) == cache_key(source, CompileConfig(dtype="float32"))) == plain
     assert cache_key(source, CompileConfig(dtype="float32", weight_dtype="bfloat16")) != cache_key(
         source, CompileConfig(dtype="float32"))
 
