@@ -16,6 +16,7 @@ from octavo.ir.ops.activation import silu_and_mul_reference
 from octavo.ir.ops.fused_pointwise import Reference, encode_program
 from octavo.ir.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from octavo.ir.ops.rotary import rotary_embedding_reference
+from tests.ir.test_fused_pointwise_ops import rms_norm_program
 
 octavo = torch.ops.octavo
 DTYPES = [torch.float32, torch.bfloat16]
@@ -104,20 +105,6 @@ def rope_program() -> str:
         {"op": "aten.mul.Tensor", "args": [Reference("input", 0), Reference("input", 1)]},
         {"op": "aten.mul.Tensor", "args": [Reference("input", 2), Reference("input", 3)]},
         {"op": "aten.add.Tensor", "args": [Reference("step", 0), Reference("step", 1)]},
-    ])
-
-
-def rms_norm_program(dtype: torch.dtype) -> str:
-    """A decomposed RMSNorm with its casts: the one reduction a group may hold, and dtype arguments."""
-    return encode_program([
-        {"op": "aten._to_copy.default", "args": [Reference("input", 0)], "kwargs": {"dtype": torch.float32}},
-        {"op": "aten.pow.Tensor_Scalar", "args": [Reference("step", 0), 2]},
-        {"op": "aten.mean.dim", "args": [Reference("step", 1), [-1], True]},
-        {"op": "aten.add.Tensor", "args": [Reference("step", 2), 1e-6]},
-        {"op": "aten.rsqrt.default", "args": [Reference("step", 3)]},
-        {"op": "aten.mul.Tensor", "args": [Reference("step", 0), Reference("step", 4)]},
-        {"op": "aten._to_copy.default", "args": [Reference("step", 5)], "kwargs": {"dtype": dtype}},
-        {"op": "aten.mul.Tensor", "args": [Reference("input", 1), Reference("step", 6)]},
     ])
 
 
