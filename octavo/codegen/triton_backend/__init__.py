@@ -7,12 +7,13 @@ needs no Triton: an artifact can be written on a machine without it.
 
 from __future__ import annotations
 
+from octavo.codegen.lazy_kernel_table import lazy_kernel_table
 
-def __getattr__(name: str):
-    if name == "KERNELS":
-        from octavo.codegen.triton_backend.kernel_table import build_kernel_table
 
-        table = build_kernel_table()
-        globals()["KERNELS"] = table
-        return table
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _build() -> dict:
+    from octavo.codegen.triton_backend.kernel_table import build_kernel_table
+
+    return build_kernel_table()
+
+
+__getattr__ = lazy_kernel_table(globals(), _build)
