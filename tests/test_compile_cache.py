@@ -101,7 +101,7 @@ def test_changing_the_dtype_gives_another_artifact(cache_dir, model_dir, caplog)
     assert json.loads((float32 / "manifest.json").read_text())["dtype"] == "float32"
     weights = json.loads((bfloat16 / "manifest.json").read_text())["signature"]
     assert weights["weight_bytes"] < json.loads((float32 / "manifest.json").read_text())["signature"]["weight_bytes"]
-    # Loading it warns exactly where bf16 compute is slow on this CPU (no AMX), saying how to fix it.
+    # Loading it warns exactly where bf16 compute is slow (neither AMX nor AVX512_BF16), saying how to fix it.
     with caplog.at_level(logging.WARNING, logger="octavo"):
         LLMEngine(bfloat16, EngineConfig(num_kv_blocks=8))
     expected = slow_dtype_warning("bfloat16")

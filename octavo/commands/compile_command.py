@@ -15,8 +15,8 @@ def add_parser(subparsers) -> None:
                         help="bundled model name, HF model directory or .gguf file (default: smollm2-135m)")
     parser.add_argument("-o", "--output", help="artifact directory to write")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="compute dtype; auto (default): bfloat16 where this CPU computes it natively (AMX), "
-                             "else float32")
+                        help="compute dtype; auto (default): bfloat16 where this CPU computes it natively "
+                             "(AMX, AVX512_BF16), else float32; quantized: float32 unless AMX")
     parser.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
                         help="store a float32 artifact's linear and embedding weights in 16 bits "
                              "(half the bytes per decode step; compute stays float32)")

@@ -1,14 +1,16 @@
 """Which dtypes compute fast on this CPU: the choice behind --dtype auto, and the slow-dtype warning.
 
-Measured on an AVX-512 CPU with AVX512_BF16 and no AMX (AMD Zen 5, 2 threads, torch 2.13, oneDNN;
-SmolLM2's 576x1536 linear): bfloat16 linears ran ~7x slower than float32 at m=1 and ~2x slower at
-m=64, faster only from m=512 on. Decode runs at m = batch size, so there bfloat16 compute loses;
-AVX2-only CPUs emulate it (~7x slower). Only AMX makes bf16 (AMX-BF16) or fp16 (AMX-FP16) matmuls
-fast at every m. Where they are not fast, auto picks float32 weights and compute: the compiled
-executor runs float32 linears on oneDNN-prepacked weights, which measured faster than float32
-compute over bfloat16-stored weights (the opaque linear_w16 kernel) at every batch above one
-(SmolLM2, same machine: 64 requests 264 vs 149 output tok/s, a shared prefix 339 vs 175); the 16-bit
-weights win only single-stream decode (~10%), where `--weight-dtype bfloat16` asks for them.
+bfloat16 is fast where the CPU multiplies it natively: AMX (AMX-BF16) and AVX512_BF16 (the
+VDPBF16PS dot product). Measured on an AMD Zen 5 with AVX512_BF16 and no AMX (2 threads, torch 2.13,
+oneDNN on prepacked weights, SmolLM2's linear shapes): a bfloat16 linear runs 84 vs 34 GFLOP/s at
+m=1 (576x3072) and 830-890 vs 165-190 GFLOP/s at m=64..256; the whole bfloat16 SmolLM2 decodes one
+sequence in 11.8 ms per step against 21.5 ms in float32 (half the weight bytes) and serves 64 requests
+at 351 against 264 output tok/s. AVX2-only CPUs emulate bfloat16 (~7x slower than float32 measured on
+an AMD AVX2 machine), so there auto picks float32. fp16 compute is fast only with AMX-FP16.
+
+A quantized config (--quant) computes in float32 unless AMX is present: its linears run their own
+kernels (which widen the packed weights inside the GEMV and accumulate in float32) and a float32
+vocabulary projection keeps greedy choices from flipping on bfloat16-rounded logits.
 """
 
 from __future__ import annotations
@@ -35,26 +37,30 @@ class PrecisionChoice:
 
 
 def fast_compute_dtypes(target: CpuTarget | None = None) -> tuple[str, ...]:
-    """The compute dtypes this CPU runs matmuls in at full speed: float32, plus bf16 / fp16 with AMX."""
+    """Compute dtypes this CPU multiplies at full speed: float32, bf16 (AMX or AVX512_BF16), fp16 (AMX-FP16)."""
     target = target or cpu_target()
     fast = ["float32"]
-    if target.amx:
+    if target.amx or target.avx512_bf16:
         fast.append("bfloat16")
     if target.amx_fp16:
         fast.append("float16")
     return tuple(fast)
 
 
-def choose_precision(weight_dtype: str | None = None, target: CpuTarget | None = None) -> PrecisionChoice:
-    """--dtype auto: bfloat16 where AMX computes it natively, else float32 (weights as `weight_dtype` says).
+def choose_precision(weight_dtype: str | None = None, target: CpuTarget | None = None,
+                     quantized: bool = False) -> PrecisionChoice:
+    """--dtype auto: bfloat16 where the CPU computes it natively, else float32 (weights as `weight_dtype` says).
 
-    An explicit `weight_dtype` other than bfloat16 keeps float32 compute (a bf16 artifact stores bf16).
+    An explicit `weight_dtype` other than bfloat16 keeps float32 compute (a bf16 artifact stores bf16);
+    so does a `quantized` config without AMX (see the module docstring).
     """
     target = target or cpu_target()
-    if "bfloat16" in fast_compute_dtypes(target) and weight_dtype in (None, "bfloat16"):
-        return PrecisionChoice("bfloat16", "bfloat16", f"{target.describe()}: AMX computes bfloat16 natively")
+    native = "AMX" if target.amx else "AVX512_BF16"
+    if ("bfloat16" in fast_compute_dtypes(target) and weight_dtype in (None, "bfloat16")
+            and (target.amx or not quantized)):
+        return PrecisionChoice("bfloat16", "bfloat16", f"{target.describe()}: {native} computes bfloat16 natively")
     storage = weight_dtype or "float32"
-    why = ("AVX512_BF16 without AMX measured slower than float32 at decode batch sizes" if target.avx512_bf16
+    why = ("quantized linears accumulate in float32" if quantized and target.avx512_bf16
            else "no native bfloat16 matmul")
     weights = (f"float32 compute over {storage} weights" if storage != "float32" else
                "float32 on prepacked weights (--weight-dtype bfloat16 halves the bytes a single-stream step reads)")
@@ -69,7 +75,7 @@ def resolve_precision(config: CompileConfig) -> CompileConfig:
     """
     if config.dtype != "auto":
         return config
-    choice = choose_precision(config.weight_dtype)
+    choice = choose_precision(config.weight_dtype, quantized=config.quant != "none")
     weight_dtype = None if choice.weight_dtype == choice.dtype else choice.weight_dtype
     if config.quant != "none" and config.weight_dtype is None:
         weight_dtype = None
