@@ -85,14 +85,20 @@ def _draw(vocab_ids: list[int], count: int, generator: torch.Generator) -> list[
 
 
 def _decode_profile(engine: LLMEngine, batch: int, vocab_ids: list[int], generator) -> StepProfile:
-    steps = WARM_STEPS + MEASURED_STEPS + 1
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    contexts = decode_contexts(batch)
+    # No sequence may finish while the later prompts still prefill (one step per token budget at
+    # worst, one per prompt at least), nor during the measured steps: all `batch` decode together.
+    prefill_steps = -(-sum(contexts) // engine.config.max_num_batched_tokens) + batch
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=prefill_steps + WARM_STEPS + MEASURED_STEPS + 2)
     # A prompt of context - 1 tokens: its first decode step attends over `context` tokens.
-    requests = [engine.add_request(_draw(vocab_ids, context - 1, generator), params)
-                for context in decode_contexts(batch)]
+    requests = [engine.add_request(_draw(vocab_ids, context - 1, generator), params) for context in contexts]
     while any(seq.num_output_tokens == 0 for request in requests for seq in request.sequences):
         engine.step()
     profile = _measure(engine, f"decode, {batch} sequence{'s' if batch > 1 else ''}", batch)
+    decoding = len(engine.last_step.schedule.scheduled)
+    if decoding != batch:
+        raise RuntimeError(f"the decode profile meant {batch} sequences per step but the last step ran {decoding}")
     for request in requests:
         engine.abort_request(request.request_id)
     return profile
