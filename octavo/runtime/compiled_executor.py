@@ -187,6 +187,9 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
                 "freezing": True,
                 # Each generated kernel is a torch.profiler range (a flag check while no profiler runs).
                 "cpp.enable_kernel_profile": True,
+                # The wrapper is a straight line of kernel calls: optimizing it (O1) took 17.6 s of gcc
+                # against 10.5 s at O0 for SmolLM2, for no measurable difference per step.
+                "aot_inductor.compile_wrapper_opt_level": "O0",
             })
             staged = Path(scratch) / "package"
             _extract_library(archive, staged)
