@@ -35,7 +35,7 @@ from octavo.errors import OctavoError
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "linear_w16.cpp")
+SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp")
 HEADERS = ("vec_utils.h",)
 LIBRARY_NAME = "octavo_cpu_kernels"
 # No -ffast-math: results must not depend on how the compiler reassociates. Contraction off: an FMA

@@ -6,6 +6,9 @@ import torch
 
 from octavo.codegen.cpu_backend.build import load_cpu_kernels
 
+NATIVE_QUANTIZED_LAYOUTS = ("w8", "w4")
+"""Quantized weight layouts whose linears run C++ kernels here (octavo_cpu::linear_w8 / linear_w4)."""
+
 
 def build_kernel_table() -> dict:
     """The torch backend's table with the ops that have a C++ kernel pointed at it."""
@@ -17,6 +20,8 @@ def build_kernel_table() -> dict:
         **TORCH_KERNELS,
         octavo.paged_attention.default: native.paged_attention.default,
         octavo.linear_w16.default: native.linear_w16.default,
+        octavo.linear_w8.default: native.linear_w8.default,
+        octavo.linear_w4.default: native.linear_w4.default,
     }
 
 

@@ -22,6 +22,12 @@ of 1/16 near a logit of 16), enough to tie and flip greedy choices (measured on 
 "The" and "L" tied for the first token of an answer). Every other linear feeds a float32
 residual stream through a norm, where a bfloat16 rounding is as harmless as in a bf16 model.
 
+A backend with native kernels for some layouts (the cpu backend's octavo_cpu::linear_w8 / w4,
+which read the int8 / int4 weights in place and compute in float32, the vocabulary projection
+included) names them in ``native_layouts``: those linears keep their op and layout, with the
+scales and offsets widened to float32 once here (exact), and the backend's kernel table maps
+the op to its kernel.
+
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +72,12 @@ class CpuFeatures:
 
 
 def choose_kernel(layout: str, group_size: int, in_features: int, activation_dtype: torch.dtype,
-                  features: CpuFeatures, produces_logits: bool = False) -> tuple[str, torch.dtype]:
+                  features: CpuFeatures, produces_logits: bool = False,
+                  native_layouts: Collection[str] = ()) -> tuple[str, torch.dtype]:
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
+    if layout in native_layouts and forced != "dequantized":
+        return "native", torch.float32
     bf16_compute = activation_dtype == torch.bfloat16 or (
         activation_dtype == torch.float32 and features.native_bf16 and not produces_logits)
     if forced == "dequantized" or not bf16_compute:
@@ -80,9 +90,10 @@ def choose_kernel(layout: str, group_size: int, in_features: int, activation_dty
 
 
 def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dtype | None = None,
-                           features: CpuFeatures | None = None) -> Counter:
+                           features: CpuFeatures | None = None, native_layouts: Collection[str] = ()) -> Counter:
     """Rewrite every octavo.linear_w8/w4/fp8 node (weights bound as get_attr) into its chosen kernel.
 
+    Linears of `native_layouts` stay as they are, their scales and offsets widened to float32.
     Returns how many linears got each "kernel (compute dtype)"; unused original weight
     buffers are dropped.
     """
@@ -95,7 +106,7 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
         if not _bound(node):
             continue  # weights passed as graph inputs cannot be packed: the node runs the reference op
         kernel, compute_dtype = _rewrite(graph_module, node, targets[node.target], activation_dtype, features,
-                                         produces_logits=node is linears[-1])
+                                         produces_logits=node is linears[-1], native_layouts=native_layouts)
         choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
     if choices:
         _drop_unused_buffers(graph_module)
@@ -107,13 +118,16 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
 
 
 def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
-             features: CpuFeatures, produces_logits: bool) -> tuple[str, torch.dtype]:
+             features: CpuFeatures, produces_logits: bool, native_layouts: Collection[str]) -> tuple[str, torch.dtype]:
     x, weight_nodes, bias, group_size = _parse(node, layout)
     tensors = [_buffer(graph_module, weight) for weight in weight_nodes]
     qweight = tensors[0]
     in_features = 2 * qweight.shape[1] if layout == "w4" else qweight.shape[1]
     kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features,
-                                          produces_logits)
+                                          produces_logits, native_layouts)
+    if kernel == "native":
+        _widen_group_parameters(graph_module, node, weight_nodes[1:], tensors[1:])
+        return kernel, compute_dtype
     if kernel == "int8pack":
         packed = pack_int8(*tensors, compute_dtype)
         target, extra = octavo_torch.linear_int8pack.default, ()
@@ -134,6 +148,18 @@ def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtyp
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
     return kernel, compute_dtype
+
+
+def _widen_group_parameters(graph_module: GraphModule, node: Node, nodes: list[Node],
+                            tensors: list[torch.Tensor]) -> None:
+    """Point `node` at float32 copies of its scales / offsets (exact), so the kernel need not widen them per call."""
+    graph = graph_module.graph
+    for parameter_node, tensor in zip(nodes, tensors, strict=True):
+        if tensor.dtype == torch.float32:
+            continue
+        with graph.inserting_before(node):
+            widened = _attribute(graph_module, f"{parameter_node.target}_float32", tensor.float().contiguous())
+        node.replace_input_with(parameter_node, widened)
 
 
 def _parse(node: Node, layout: str) -> tuple[Node, list[Node], Node | None, int | None]:

@@ -1,0 +1,415 @@
+// octavo_cpu::linear_w8 / linear_w4: x @ W.T (+ bias) over the int8 and 4-bit weight layouts of
+// octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas). The weights are
+// dequantized inside the kernel exactly as the layout defines them (w8: float(q) * scale; w4: float(q) * scale,
+// then + offset, each rounded to float32), never stored dequantized: decode reads the int8 / int4 bytes.
+// x, the accumulation, the bias and the result are float32; x of another float dtype is widened first and the
+// result rounded to it once at the end.
+//
+// Up to kGemvRows rows of x: a streaming kernel that reads every weight once, dequantizes it in registers and
+// keeps the rows of x in cache (memory-bound by design). More rows: a tile of output columns at a time is
+// dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+#include "vec_utils.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace octavo_cpu {
+namespace {
+
+constexpr int64_t kGemvRows = 8;
+constexpr int64_t kTileColumns = 128;      // output columns (weight rows) dequantized per GEMM tile
+constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes a GEMV task reads at least (small layers: one thread)
+
+// kLanes int8 values widened to float, in registers.
+inline Vec load_int8(const int8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
+#else
+  __at_align__ float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(src[i]);
+  return Vec::loadu(values);
+#endif
+}
+
+// The kLanes 4-bit values of kLanes / 2 bytes (low nibble first) widened to float, in registers.
+inline Vec load_nibbles(const uint8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+#else
+  int32_t word;
+  std::memcpy(&word, src, sizeof(word));
+  const __m128i bytes = _mm_cvtsi32_si128(word);
+#endif
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  // Interleaving the low and the high nibbles of each byte puts the columns in order.
+  const __m128i columns =
+      _mm_unpacklo_epi8(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(columns)));
+#else
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(columns)));
+#endif
+#else
+  __at_align__ float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>((src[i / 2] >> (4 * (i % 2))) & 0x0F);
+  return Vec::loadu(values);
+#endif
+}
+
+// w8: W[n, k] = float(q[n, k]) * scales[n, k / group_size].
+struct Int8Weight {
+  static constexpr bool kNeedsEvenStart = false;
+  static constexpr bool kSplitsColumns = false;
+  const int8_t* q;
+  const float* scales;
+  int64_t N, K, group_size, groups;
+
+  float scale(int64_t n, int64_t g) const { return scales[n * groups + g]; }
+  float offset(int64_t, int64_t) const { return 0.f; }
+  Vec values(int64_t n, int64_t k, const Vec& s, const Vec&) const { return load_int8(q + n * K + k) * s; }
+  float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
+  int64_t row_bytes() const { return K; }
+};
+
+// w4: W[n, k] = float(nibble k of row n) * scales[n, g] + offsets[n, g], g = k / group_size.
+struct Int4Weight {
+  static constexpr bool kNeedsEvenStart = true;  // a vector starts at the low nibble of a byte
+#if defined(CPU_CAPABILITY_AVX512)
+  // Whole groups look their values up (see accumulate_whole_group) in 32-column chunks ordered even columns
+  // first, then odd ones: x is reordered the same way.
+  static constexpr bool kSplitsColumns = true;
+#else
+  static constexpr bool kSplitsColumns = false;
+#endif
+  const uint8_t* q;
+  const float* scales;
+  const float* offsets;
+  int64_t N, K, group_size, groups;
+
+  float scale(int64_t n, int64_t g) const { return scales[n * groups + g]; }
+  float offset(int64_t n, int64_t g) const { return offsets[n * groups + g]; }
+  Vec values(int64_t n, int64_t k, const Vec& s, const Vec& o) const {
+    return load_nibbles(q + n * (K / 2) + k / 2) * s + o;
+  }
+  float value(int64_t n, int64_t k, float s, float o) const {
+    const uint8_t byte = q[n * (K / 2) + k / 2];
+    return static_cast<float>((k & 1) ? byte >> 4 : byte & 0x0F) * s + o;
+  }
+  int64_t row_bytes() const { return K / 2; }
+};
+
+// Columns [begin, end) of one group: the first column whose vectors can start there, and the end of the vectors.
+template <typename W>
+inline void vector_span(int64_t begin, int64_t end, int64_t& vector_begin, int64_t& vector_end) {
+  vector_begin = (W::kNeedsEvenStart && (begin & 1)) ? std::min(begin + 1, end) : begin;
+  vector_end = vector_begin + (end - vector_begin) / kLanes * kLanes;
+}
+
+// Accumulates rows [n, n + R) of W against the M rows of x over columns [first, last) of one group (any bounds):
+// whole vectors into acc, the columns no vector covers (an odd start of a w4 group, the end) into tail.
+template <int M, int R, typename W>
+inline void accumulate_group(const W& w, const float* x, int64_t n, int64_t g, int64_t first, int64_t last,
+                             Vec (&acc)[R][M], float (&tail)[R][M]) {
+  const int64_t K = w.K;
+  float s[R], o[R];
+  Vec sv[R], ov[R];
+  for (int r = 0; r < R; ++r) {
+    s[r] = w.scale(n + r, g);
+    o[r] = w.offset(n + r, g);
+    sv[r] = Vec(s[r]);
+    ov[r] = Vec(o[r]);
+  }
+  int64_t vector_begin, vector_end;
+  vector_span<W>(first, last, vector_begin, vector_end);
+  for (int64_t k = vector_begin; k < vector_end; k += kLanes) {
+    Vec wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = w.values(n + r, k, sv[r], ov[r]);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = Vec::loadu(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(xv, wide[r], acc[r][m]);
+    }
+  }
+  for (int64_t k = first; k < last; ++k) {
+    if (k == vector_begin) k = vector_end;
+    if (k >= last) break;
+    for (int r = 0; r < R; ++r) {
+      const float value = w.value(n + r, k, s[r], o[r]);
+      for (int m = 0; m < M; ++m) tail[r][m] += x[m * K + k] * value;
+    }
+  }
+}
+
+// Accumulates rows [n, n + R) of W against the M rows of x over group g, which is VG whole vectors.
+template <int M, int R, int VG, typename W>
+inline void accumulate_whole_group(const W& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M]) {
+  const int64_t K = w.K, first = g * (VG * kLanes);
+  Vec sv[R], ov[R];
+  for (int r = 0; r < R; ++r) {
+    sv[r] = Vec(w.scale(n + r, g));
+    ov[r] = Vec(w.offset(n + r, g));
+  }
+  for (int v = 0; v < VG; ++v) {
+    const int64_t k = first + v * kLanes;
+    Vec wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = w.values(n + r, k, sv[r], ov[r]);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = Vec::loadu(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(xv, wide[r], acc[r][m]);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The w4 group as a table lookup: its 16 possible values q * scale + offset (q = 0..15, rounded exactly as the
+// layout defines) fill one vector, and vpermps picks each column's value by its nibble. 32 columns (16 bytes) at
+// a time: the bytes widened to 32-bit lanes index by their low 4 bits (even columns) and, shifted, by their high
+// 4 bits (odd columns); x holds each chunk's even columns first, then its odd ones (split_columns).
+template <int M, int R, int VG>
+inline void accumulate_whole_group(const Int4Weight& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M]) {
+  static_assert(VG % 2 == 0, "the lookup takes 32-column chunks");
+  const int64_t K = w.K, first = g * (VG * kLanes);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 table[R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 scaled = _mm512_mul_ps(levels, _mm512_set1_ps(w.scale(n + r, g)));
+    table[r] = _mm512_add_ps(scaled, _mm512_set1_ps(w.offset(n + r, g)));
+  }
+  for (int c = 0; c < VG / 2; ++c) {
+    const int64_t k = first + c * 2 * kLanes;
+    Vec even[R], odd[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i bytes =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (n + r) * (K / 2) + k / 2)));
+      even[r] = Vec(_mm512_permutexvar_ps(bytes, table[r]));
+      odd[r] = Vec(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table[r]));
+    }
+    for (int m = 0; m < M; ++m) {
+      const Vec x_even = Vec::loadu(x + m * K + k), x_odd = Vec::loadu(x + m * K + k + kLanes);
+      for (int r = 0; r < R; ++r) {
+        acc[r][m] = at::vec::fmadd(x_even, even[r], acc[r][m]);
+        acc[r][m] = at::vec::fmadd(x_odd, odd[r], acc[r][m]);
+      }
+    }
+  }
+}
+#endif
+
+// x [rows, K] with every 2 * kLanes-column chunk of [0, columns) reordered even columns first, then odd ones.
+inline std::vector<float> split_columns(const float* x, int64_t rows, int64_t K, int64_t columns) {
+  std::vector<float> split(x, x + rows * K);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k + 2 * kLanes <= columns; k += 2 * kLanes) {
+      for (int64_t i = 0; i < kLanes; ++i) {
+        split[m * K + k + i] = x[m * K + k + 2 * i];
+        split[m * K + k + kLanes + i] = x[m * K + k + 2 * i + 1];
+      }
+    }
+  }
+  return split;
+}
+
+// out[m, n] = x[m, :] . W[n, :] + bias[n] for n in [begin, end), R weight rows at a time, group by group.
+// VG > 0: the group size is VG vectors, so every whole group runs a loop of fixed length with no tails (the
+// short last group, if any, takes the general path), reading x_whole (x, or x reordered as W::kSplitsColumns
+// says); VG = 0: every group takes the general path.
+template <int M, int R, int VG, typename W>
+void gemv_block(const W& w, const float* x, const float* x_whole, const float* bias, float* out, int64_t begin,
+                int64_t end) {
+  const int64_t K = w.K, N = w.N;
+  const int64_t whole_groups = VG > 0 ? K / w.group_size : 0;
+  int64_t n = begin;
+  for (; n + R <= end; n += R) {
+    Vec acc[R][M];
+    float tail[R][M] = {};
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
+    for (int64_t g = 0; g < whole_groups; ++g) accumulate_whole_group<M, R, VG>(w, x_whole, n, g, acc);
+    for (int64_t g = whole_groups; g < w.groups; ++g) {
+      accumulate_group<M, R>(w, x, n, g, g * w.group_size, std::min((g + 1) * w.group_size, K), acc, tail);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) {
+        const float total = hsum(acc[r][m]) + tail[r][m];
+        out[m * N + n + r] = bias ? total + bias[n + r] : total;
+      }
+    }
+  }
+  if (n < end) gemv_block<M, 1, VG>(w, x, x_whole, bias, out, n, end);
+}
+
+template <int M, int VG, typename W>
+void gemv(const W& w, const float* x, const float* bias, float* out) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  const int64_t blocks = (w.N + R - 1) / R;
+  // Whole R-row blocks per task, at least kTaskBytes of weights each, so small layers do not pay for threads.
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(w.row_bytes() * R, 1));
+  std::vector<float> split;
+  if (VG > 0 && W::kSplitsColumns) split = split_columns(x, M, w.K, w.K / w.group_size * w.group_size);
+  const float* x_whole = split.empty() ? x : split.data();
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    gemv_block<M, R, VG>(w, x, x_whole, bias, out, begin * R, std::min(end * R, w.N));
+  });
+}
+
+// The common group sizes (2, 4 or 8 vectors: 32 to 128 columns with AVX-512, 16 to 64 with AVX2) get loops of
+// fixed length; per-row scales and other sizes run long or general loops, where the length matters less.
+template <int M, typename W>
+void gemv_groups(const W& w, const float* x, const float* bias, float* out) {
+  if (w.group_size == 2 * kLanes && w.K >= w.group_size) return gemv<M, 2>(w, x, bias, out);
+  if (w.group_size == 4 * kLanes && w.K >= w.group_size) return gemv<M, 4>(w, x, bias, out);
+  if (w.group_size == 8 * kLanes && w.K >= w.group_size) return gemv<M, 8>(w, x, bias, out);
+  gemv<M, 0>(w, x, bias, out);
+}
+
+template <typename W>
+void gemv_dispatch(int64_t rows, const W& w, const float* x, const float* bias, float* out) {
+  switch (rows) {
+    case 1: return gemv_groups<1>(w, x, bias, out);
+    case 2: return gemv_groups<2>(w, x, bias, out);
+    case 3: return gemv_groups<3>(w, x, bias, out);
+    case 4: return gemv_groups<4>(w, x, bias, out);
+    case 5: return gemv_groups<5>(w, x, bias, out);
+    case 6: return gemv_groups<6>(w, x, bias, out);
+    case 7: return gemv_groups<7>(w, x, bias, out);
+    case 8: return gemv_groups<8>(w, x, bias, out);
+    default: TORCH_CHECK(false, "quantized linear: gemv takes 1 to ", kGemvRows, " rows, got ", rows);
+  }
+}
+
+// dst[0:K] = W[n, :] in float32, the same values the GEMV computes in registers.
+template <typename W>
+void dequantize_row(const W& w, int64_t n, float* dst) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t first = g * w.group_size, last = std::min(first + w.group_size, w.K);
+    const float s = w.scale(n, g), o = w.offset(n, g);
+    const Vec sv(s), ov(o);
+    int64_t vector_begin, vector_end;
+    vector_span<W>(first, last, vector_begin, vector_end);
+    for (int64_t k = first; k < vector_begin; ++k) dst[k] = w.value(n, k, s, o);
+    for (int64_t k = vector_begin; k < vector_end; k += kLanes) w.values(n, k, sv, ov).store(dst + k);
+    for (int64_t k = vector_end; k < last; ++k) dst[k] = w.value(n, k, s, o);
+  }
+}
+
+// out = x @ W.T (+ bias): each thread dequantizes kTileColumns weight rows at a time into its own buffer and
+// multiplies them with one single-threaded BLAS call writing that tile's output columns.
+template <typename W>
+void tiled_gemm(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t K = w.K, N = w.N;
+  const int64_t tiles = (N + kTileColumns - 1) / kTileColumns;
+  // The ATen calls below run on worker threads: give them the caller's inference mode and dispatch state.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    std::vector<float> buffer(kTileColumns * K);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t first = tile * kTileColumns, count = std::min(kTileColumns, N - first);
+      for (int64_t i = 0; i < count; ++i) dequantize_row(w, first + i, buffer.data() + i * K);
+      const at::Tensor tile_weight = at::from_blob(buffer.data(), {count, K}, x.options());
+      at::Tensor target = out.narrow(1, first, count);
+      if (bias.has_value()) {
+        at::addmm_out(target, bias->narrow(0, first, count), x, tile_weight.t());
+      } else {
+        at::mm_out(target, x, tile_weight.t());
+      }
+    }
+  });
+}
+
+bool is_float(const at::Tensor& t) {
+  const auto type = t.scalar_type();
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+// The group-wise parameters (scales or offsets) as float32 [N, groups] (widening is exact).
+at::Tensor group_parameters(const char* name, const char* role, const at::Tensor& t, int64_t N, int64_t groups,
+                            int64_t group_size) {
+  TORCH_CHECK(t.device().is_cpu() && is_float(t) && t.dim() == 2 && t.size(0) == N && t.size(1) == groups, name,
+              ": ", role, " must be a float16, bfloat16 or float32 tensor [", N, ", ", groups, "] (group size ",
+              group_size, "), got ", t.scalar_type(), " ", t.sizes());
+  return t.to(at::kFloat).contiguous();
+}
+
+// Checks x and bias, runs `compute(x as float32 [M, K], bias as float32, out float32 [M, N])`, shapes the result.
+template <typename Compute>
+at::Tensor run_linear(const char* name, const at::Tensor& input, int64_t N, int64_t K,
+                      const std::optional<at::Tensor>& bias, const Compute& compute) {
+  TORCH_CHECK(input.device().is_cpu() && is_float(input), name,
+              ": input must be a float32, bfloat16 or float16 CPU tensor, got ", input.scalar_type(), " on ",
+              input.device());
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == K, name, ": input ", input.sizes(), " does not end in ", K,
+              " (the weight's input features)");
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && is_float(*bias) && bias->dim() == 1 && bias->size(0) == N, name,
+                ": bias must be a float tensor [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x = input.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) compute(x, b, out);
+  return out.to(input.scalar_type()).view(shape);
+}
+
+template <typename W>
+void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t M = x.size(0);
+  if (M <= kGemvRows) {
+    gemv_dispatch(M, w, x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr,
+                  out.data_ptr<float>());
+  } else {
+    tiled_gemm(w, x, bias, out);
+  }
+}
+
+at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t group_size) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2,
+              "linear_w8: qweight must be a 2-d int8 CPU tensor, got ", qweight.scalar_type(), " ", qweight.sizes());
+  TORCH_CHECK(group_size > 0, "linear_w8: group_size must be positive, got ", group_size);
+  const int64_t N = qweight.size(0), K = qweight.size(1), groups = (K + group_size - 1) / group_size;
+  const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
+  const at::Tensor q = qweight.contiguous();
+  return run_linear("linear_w8", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
+    compute(Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, x, b, out);
+  });
+}
+
+at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias, int64_t group_size) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2,
+              "linear_w4: qweight must be a 2-d uint8 CPU tensor (two 4-bit values a byte), got ",
+              qweight.scalar_type(), " ", qweight.sizes());
+  TORCH_CHECK(group_size > 0, "linear_w4: group_size must be positive, got ", group_size);
+  const int64_t N = qweight.size(0), K = 2 * qweight.size(1), groups = (K + group_size - 1) / group_size;
+  const at::Tensor s = group_parameters("linear_w4", "scales", scales, N, groups, group_size);
+  const at::Tensor o = group_parameters("linear_w4", "offsets", offsets, N, groups, group_size);
+  const at::Tensor q = qweight.contiguous();
+  return run_linear("linear_w4", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
+    compute(Int4Weight{q.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(), o.const_data_ptr<float>(), N, K,
+                       group_size, groups},
+            x, b, out);
+  });
+}
+
+}  // namespace
+}  // namespace octavo_cpu
+
+TORCH_LIBRARY_IMPL(octavo_cpu, CPU, m) {
+  m.impl("linear_w8", &octavo_cpu::linear_w8);
+  m.impl("linear_w4", &octavo_cpu::linear_w4);
+}

@@ -1,0 +1,178 @@
+"""The C++ linear_w8 / linear_w4 (weights dequantized in the kernel) against the layouts' definition.
+
+The reference is the definition (octavo.ir.quantized_layout's float32 dequantization, then x @ W.T + bias)
+computed in float64, so it is exact up to float64 rounding. The kernel dequantizes each weight exactly as the
+definition does (the same float32 roundings) and sums the K products and the bias in float32 in some order:
+each partial sum and product rounds once, so its error is within gamma_(K+1) * sum_k |x_k w_k| + |bias|
+(gamma_n = n u / (1 - n u), u = 2^-24) of the exact result on those weights (Higham, Accuracy and Stability
+of Numerical Algorithms, 3.1); the test allows that bound. A result rounded to bfloat16 / float16 (x of that
+dtype) adds one rounding of the output: half a unit in its last place, 2^-8 / 2^-11 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.ir.quantized_layout import dequantize_w4, dequantize_w8, num_groups, pack_int4
+
+ROWS = [1, 2, 7, 8, 9, 64]
+OUTPUT_UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def w8_weight(n: int, k: int, group_size: int, scale_dtype: torch.dtype, generator: torch.Generator):
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(n, num_groups(k, group_size), generator=generator) * 0.02 + 1e-3).to(scale_dtype)
+    return qweight, scales
+
+
+def w4_weight(n: int, k: int, group_size: int, scale_dtype: torch.dtype, generator: torch.Generator):
+    values = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    groups = num_groups(k, group_size)
+    scales = (torch.rand(n, groups, generator=generator) * 0.02 + 1e-3).to(scale_dtype)
+    offsets = (torch.randn(n, groups, generator=generator) * 0.1).to(scale_dtype)
+    return pack_int4(values), scales, offsets
+
+
+def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> None:
+    """`output` of x [..., K] against the float32 `weight` [N, K] within the bound of the module docstring."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    assert output.dtype == x.dtype and output.shape == (*x.shape[:-1], weight.shape[0])
+    bias64 = 0 if bias is None else bias.double()
+    exact = flat @ weight.double().T + bias64
+    k = x.shape[-1]
+    unit = 2.0 ** -24
+    gamma = (k + 1) * unit / (1 - (k + 1) * unit)
+    magnitude = flat.abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = gamma * magnitude + OUTPUT_UNIT[x.dtype] * (exact.abs() + gamma * magnitude) + 1e-30
+    error = (output.reshape(exact.shape).double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("group_size", [32, 576, 100], ids=["group32", "per_row", "group100"])
+def test_w8_matches_definition(rows, group_size, cpu_kernels):
+    """K = 576 (a multiple of 32, not of 100: the last group of a row is shorter), N = 203 (odd)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + group_size)
+    qweight, scales = w8_weight(203, 576, group_size, torch.float16, generator)
+    x = torch.randn(rows, 576, generator=generator)
+    bias = torch.randn(203, generator=generator)
+    weight = dequantize_w8(qweight, scales, group_size)
+    assert_within_rounding(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size), x, weight, bias)
+    assert_within_rounding(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size), x, weight, None)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_w4_matches_definition(rows, group_size, cpu_kernels):
+    """K = 200: no multiple of 64 or 128 (a shorter last group) nor of a vector; N = 37 (odd)."""
+    generator = torch.Generator().manual_seed(rows * 1000 + group_size)
+    qweight, scales, offsets = w4_weight(37, 200, group_size, torch.float16, generator)
+    x = torch.randn(rows, 200, generator=generator)
+    bias = torch.randn(37, generator=generator)
+    weight = dequantize_w4(qweight, scales, offsets, group_size)
+    output = torch.ops.octavo_cpu.linear_w4(x, qweight, scales, offsets, bias, group_size)
+    assert_within_rounding(output, x, weight, bias)
+    output = torch.ops.octavo_cpu.linear_w4(x, qweight, scales, offsets, None, group_size)
+    assert_within_rounding(output, x, weight, None)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_scale_dtypes(scale_dtype, rows, cpu_kernels):
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 96, generator=generator)
+    qweight, scales = w8_weight(19, 96, 32, scale_dtype, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None)
+    packed, scales, offsets = w4_weight(19, 96, 32, scale_dtype, generator)
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 32)
+    assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 32), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_reduced_precision_activations(dtype, rows, cpu_kernels):
+    """x in bfloat16 / float16: computed in float32, rounded to x's dtype once (bias of x's dtype too)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 64, generator=generator).to(dtype)
+    bias = torch.randn(45, generator=generator).to(dtype)
+    qweight, scales = w8_weight(45, 64, 64, torch.bfloat16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 64)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 64), bias.float())
+    packed, scales, offsets = w4_weight(45, 64, 32, torch.bfloat16, generator)
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, bias, 32)
+    assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 32), bias.float())
+
+
+@pytest.mark.parametrize("shape", [(1, 46), (2, 3, 46), (70, 46)], ids=["row", "batched", "gemm"])
+def test_odd_group_sizes_and_leading_dims(shape, cpu_kernels):
+    """Groups of 7 and 9 columns: w8 vectors never fill a group, w4 groups start on odd columns."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=generator)
+    qweight, scales = w8_weight(21, 46, 7, torch.float32, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 7)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 7), None)
+    packed, scales, offsets = w4_weight(21, 46, 9, torch.float32, generator)
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 9)
+    assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 9), None)
+
+
+def test_large_layer_spans_threads(cpu_kernels):
+    """A layer of several GEMV tasks (1.5 MB of int8), wider than any group or tile: every row is computed."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1536, generator=generator)
+    qweight, scales = w8_weight(1000, 1536, 32, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None)
+
+
+def test_bad_arguments_name_what_is_wrong(cpu_kernels):
+    x = torch.randn(2, 8)
+    qweight, scales = torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1)
+    with pytest.raises(RuntimeError, match="qweight must be a 2-d int8"):
+        torch.ops.octavo_cpu.linear_w8(x, qweight.to(torch.uint8), scales, None, 8)
+    with pytest.raises(RuntimeError, match=r"scales must be a float16, bfloat16 or float32 tensor \[4, 2\]"):
+        torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 4)
+    with pytest.raises(RuntimeError, match="does not end in 8"):
+        torch.ops.octavo_cpu.linear_w8(torch.randn(2, 6), qweight, scales, None, 8)
+    with pytest.raises(RuntimeError, match="bias must be a float tensor"):
+        torch.ops.octavo_cpu.linear_w8(x, qweight, scales, torch.ones(5), 8)
+    with pytest.raises(RuntimeError, match="group_size must be positive"):
+        torch.ops.octavo_cpu.linear_w4(x, torch.zeros(4, 4, dtype=torch.uint8), scales, scales, None, 0)
+    with pytest.raises(RuntimeError, match="offsets must be"):
+        torch.ops.octavo_cpu.linear_w4(x, torch.zeros(4, 4, dtype=torch.uint8), scales, torch.ones(4, 2), None, 8)
+
+
+def test_fake_kernels_describe_the_outputs(cpu_kernels):
+    """opcheck: the schemas and the fake (meta) kernels agree with what the C++ ops do."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 40, generator=generator)
+    qweight, scales = w8_weight(24, 40, 32, torch.float16, generator)
+    torch.library.opcheck(torch.ops.octavo_cpu.linear_w8.default, (x, qweight, scales, None, 32),
+                          test_utils=("test_schema", "test_faketensor"))
+    packed, scales, offsets = w4_weight(24, 40, 32, torch.float16, generator)
+    torch.library.opcheck(torch.ops.octavo_cpu.linear_w4.default, (x, packed, scales, offsets, None, 32),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
+    """On the cpu backend w8 and w4 linears (the last one too) run the C++ kernels, on float32 scales; fp8 does not."""
+    from octavo.codegen.lowering import lower_graph
+    from tests.codegen.test_torch_quantized_linear import _quantized_graph
+
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 96, generator=generator)
+    graph_module, dense = _quantized_graph(0.1 * torch.randn(40, 96, generator=generator))
+    lower_graph(graph_module, "cpu", torch.float32)
+    calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+    native = torch.ops.octavo_cpu
+    assert [node.target for node in calls[:4]] == [native.linear_w8.default, native.linear_w8.default,
+                                                   native.linear_w4.default, native.linear_w4.default]
+    assert calls[4].target == torch.ops.octavo_torch.linear_dequantized.default
+    for node in calls[:4]:
+        parameters = node.args[2:4] if node.target == native.linear_w4.default else node.args[2:3]
+        assert all(getattr(graph_module, arg.target).dtype == torch.float32 for arg in parameters)
+    for output, weight in zip(graph_module(x)[:4], dense.values(), strict=False):
+        assert_within_rounding(output, x, weight, None)
