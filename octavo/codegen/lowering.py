@@ -40,13 +40,13 @@ def prepare_hooks(backend: str) -> dict:
     return {}
 
 
-def native_quantized_layouts(backend: str) -> tuple[str, ...]:
-    """The quantized layouts whose linears `backend` computes with kernels of its own (not weight_packing's)."""
+def native_quantized_kernels(backend: str) -> dict:
+    """Quantized layout -> `backend`'s own linear kernel for it (used instead of weight_packing's kernels)."""
     if backend == "cpu":
-        from octavo.codegen.cpu_backend.kernel_table import NATIVE_QUANTIZED_LAYOUTS
+        from octavo.codegen.cpu_backend.kernel_table import native_quantized_kernels as cpu_kernels
 
-        return NATIVE_QUANTIZED_LAYOUTS
-    return ()
+        return cpu_kernels()
+    return {}
 
 
 def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
@@ -60,13 +60,13 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
     fused_pointwise kernels then). First, on the CPU backends, quantized
     linears get their CPU kernel and packed weights
     (torch_backend.weight_packing; `activation_dtype` is the artifact's
-    dtype, float32 when not given); the cpu backend keeps its native
-    layouts (w8, w4) for its own kernels.
+    dtype, float32 when not given); the cpu backend's w8 and w4 linears
+    call its own kernels.
     """
     if backend in ("torch", "cpu"):  # the cpu backend runs the torch backend's quantized linears, but for its own
         from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
 
-        pack_quantized_linears(graph_module, activation_dtype, native_layouts=native_quantized_layouts(backend))
+        pack_quantized_linears(graph_module, activation_dtype, native_kernels=native_quantized_kernels(backend))
     kernels = backend_kernels(backend)
     hooks = prepare_hooks(backend)
     for node in graph_module.graph.nodes:

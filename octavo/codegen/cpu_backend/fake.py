@@ -23,11 +23,11 @@ def register_fake_kernels() -> None:
         return input.new_empty(input.shape[:-1] + weight.shape[:1], dtype=torch.float32)
 
     @torch.library.register_fake("octavo_cpu::linear_w8")
-    def _(x, qweight, scales, bias, group_size):
+    def _(x, qweight, scales, bias, group_size, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("octavo_cpu::linear_w4")
-    def _(x, qweight, scales, offsets, bias, group_size):
+    def _(x, qweight, scales, offsets, bias, group_size, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     _registered = True

@@ -6,8 +6,12 @@ import torch
 
 from octavo.codegen.cpu_backend.build import load_cpu_kernels
 
-NATIVE_QUANTIZED_LAYOUTS = ("w8", "w4")
-"""Quantized weight layouts whose linears run C++ kernels here (octavo_cpu::linear_w8 / linear_w4)."""
+
+def native_quantized_kernels() -> dict:
+    """Quantized layout -> the C++ linear over it (the octavo op's arguments, plus bf16_gemm)."""
+    load_cpu_kernels()
+    native = torch.ops.octavo_cpu
+    return {"w8": native.linear_w8.default, "w4": native.linear_w4.default}
 
 
 def build_kernel_table() -> dict:

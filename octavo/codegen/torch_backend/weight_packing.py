@@ -22,11 +22,14 @@ of 1/16 near a logit of 16), enough to tie and flip greedy choices (measured on 
 "The" and "L" tied for the first token of an answer). Every other linear feeds a float32
 residual stream through a norm, where a bfloat16 rounding is as harmless as in a bf16 model.
 
-A backend with native kernels for some layouts (the cpu backend's octavo_cpu::linear_w8 / w4,
-which read the int8 / int4 weights in place and compute in float32, the vocabulary projection
-included) names them in ``native_layouts``: those linears keep their op and layout, with the
-scales and offsets widened to float32 once here (exact), and the backend's kernel table maps
-the op to its kernel.
+A backend with kernels of its own for some layouts (the cpu backend's octavo_cpu::linear_w8 /
+w4, which read the int8 / int4 weights in place and accumulate in float32, the vocabulary
+projection included) passes them as ``native_kernels``: those linears keep their layout and
+call that kernel, with the scales and offsets widened to float32 once here (exact). Its
+decode-sized calls (up to 8 rows) compute in float32; above that it dequantizes tiles for a
+GEMM, which runs in bfloat16 (``bf16_gemm``) where the CPU has native bfloat16, except for
+the vocabulary projection, for the reason above: reported as "native (bfloat16)", else
+"native (float32)".
 
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
@@ -37,10 +40,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 
 from octavo.codegen.torch_backend.quantized_linear import INT4PACK_GROUP_SIZES, pack_int4, pack_int8
@@ -76,10 +80,11 @@ def choose_kernel(layout: str, group_size: int, in_features: int, activation_dty
                   native_layouts: Collection[str] = ()) -> tuple[str, torch.dtype]:
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
-    if layout in native_layouts and forced != "dequantized":
-        return "native", torch.float32
     bf16_compute = activation_dtype == torch.bfloat16 or (
         activation_dtype == torch.float32 and features.native_bf16 and not produces_logits)
+    if layout in native_layouts and forced != "dequantized":
+        bf16_gemm = bf16_compute and features.native_bf16
+        return "native", torch.bfloat16 if bf16_gemm else torch.float32
     if forced == "dequantized" or not bf16_compute:
         return "dequantized", activation_dtype
     if layout == "w8" and group_size >= in_features:
@@ -90,10 +95,12 @@ def choose_kernel(layout: str, group_size: int, in_features: int, activation_dty
 
 
 def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dtype | None = None,
-                           features: CpuFeatures | None = None, native_layouts: Collection[str] = ()) -> Counter:
+                           features: CpuFeatures | None = None,
+                           native_kernels: Mapping[str, OpOverload] | None = None) -> Counter:
     """Rewrite every octavo.linear_w8/w4/fp8 node (weights bound as get_attr) into its chosen kernel.
 
-    Linears of `native_layouts` stay as they are, their scales and offsets widened to float32.
+    `native_kernels` maps layouts ("w8", "w4") to a backend's own kernels of the same
+    arguments plus ``bf16_gemm`` (see the module docstring).
     Returns how many linears got each "kernel (compute dtype)"; unused original weight
     buffers are dropped.
     """
@@ -106,7 +113,7 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
         if not _bound(node):
             continue  # weights passed as graph inputs cannot be packed: the node runs the reference op
         kernel, compute_dtype = _rewrite(graph_module, node, targets[node.target], activation_dtype, features,
-                                         produces_logits=node is linears[-1], native_layouts=native_layouts)
+                                         produces_logits=node is linears[-1], native_kernels=native_kernels or {})
         choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
     if choices:
         _drop_unused_buffers(graph_module)
@@ -118,15 +125,18 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
 
 
 def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
-             features: CpuFeatures, produces_logits: bool, native_layouts: Collection[str]) -> tuple[str, torch.dtype]:
+             features: CpuFeatures, produces_logits: bool,
+             native_kernels: Mapping[str, OpOverload]) -> tuple[str, torch.dtype]:
     x, weight_nodes, bias, group_size = _parse(node, layout)
     tensors = [_buffer(graph_module, weight) for weight in weight_nodes]
     qweight = tensors[0]
     in_features = 2 * qweight.shape[1] if layout == "w4" else qweight.shape[1]
     kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features,
-                                          produces_logits, native_layouts)
+                                          produces_logits, native_kernels.keys())
     if kernel == "native":
         _widen_group_parameters(graph_module, node, weight_nodes[1:], tensors[1:])
+        node.target = native_kernels[layout]
+        node.args = (*node.args, compute_dtype == torch.bfloat16)
         return kernel, compute_dtype
     if kernel == "int8pack":
         packed = pack_int8(*tensors, compute_dtype)

@@ -7,6 +7,10 @@ each partial sum and product rounds once, so its error is within gamma_(K+1) * s
 (gamma_n = n u / (1 - n u), u = 2^-24) of the exact result on those weights (Higham, Accuracy and Stability
 of Numerical Algorithms, 3.1); the test allows that bound. A result rounded to bfloat16 / float16 (x of that
 dtype) adds one rounding of the output: half a unit in its last place, 2^-8 / 2^-11 relative.
+
+With bf16_gemm (rows above the GEMV's 8), x and the weight are each rounded to bfloat16 (unit roundoff
+v = 2^-9, rounding to nearest) before the float32 sum, so each product is within (1 + v)^2 - 1 of its
+exact value, and the bfloat16 result rounds once more: the bound grows by those terms.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def w4_weight(n: int, k: int, group_size: int, scale_dtype: torch.dtype, generat
 
 
 def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None) -> None:
+                           bias: torch.Tensor | None, bf16_gemm: bool = False) -> None:
     """`output` of x [..., K] against the float32 `weight` [N, K] within the bound of the module docstring."""
     flat = x.reshape(-1, x.shape[-1]).double()
     assert output.dtype == x.dtype and output.shape == (*x.shape[:-1], weight.shape[0])
@@ -45,7 +49,13 @@ def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.
     unit = 2.0 ** -24
     gamma = (k + 1) * unit / (1 - (k + 1) * unit)
     magnitude = flat.abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
-    bound = gamma * magnitude + OUTPUT_UNIT[x.dtype] * (exact.abs() + gamma * magnitude) + 1e-30
+    if bf16_gemm:
+        narrowing = 2.0 ** -9
+        gamma = (1 + narrowing) ** 2 - 1 + gamma * (1 + narrowing) ** 2
+        bound = gamma * magnitude + narrowing * (exact.abs() + gamma * magnitude)
+        bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
+    else:
+        bound = gamma * magnitude + OUTPUT_UNIT[x.dtype] * (exact.abs() + gamma * magnitude) + 1e-30
     error = (output.reshape(exact.shape).double() - exact).abs()
     assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
 
@@ -76,6 +86,22 @@ def test_w4_matches_definition(rows, group_size, cpu_kernels):
     assert_within_rounding(output, x, weight, bias)
     output = torch.ops.octavo_cpu.linear_w4(x, qweight, scales, offsets, None, group_size)
     assert_within_rounding(output, x, weight, None)
+
+
+@pytest.mark.parametrize("rows", [9, 64])
+def test_bf16_gemm_within_its_rounding(rows, cpu_kernels):
+    """bf16_gemm rounds x and the tiles to bfloat16 above 8 rows (bias in float32); 300 rows span three tiles."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=generator)
+    bias = torch.randn(300, generator=generator)
+    qweight, scales = w8_weight(300, 200, 32, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 32, True)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), bias, bf16_gemm=True)
+    packed, scales, offsets = w4_weight(300, 200, 64, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 64, True)
+    assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 64), None, bf16_gemm=True)
+    assert not torch.equal(output, torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 64)), \
+        "the bfloat16 GEMM rounds differently from the float32 one"
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
@@ -158,8 +184,12 @@ def test_fake_kernels_describe_the_outputs(cpu_kernels):
 
 
 def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
-    """On the cpu backend w8 and w4 linears (the last one too) run the C++ kernels, on float32 scales; fp8 does not."""
+    """On the cpu backend w8 and w4 linears (the last one too) run the C++ kernels, on float32 scales; fp8 does not.
+
+    Their GEMMs run in bfloat16 exactly where the CPU has native bfloat16 (the last linear, fp8 here, is not one).
+    """
     from octavo.codegen.lowering import lower_graph
+    from octavo.codegen.torch_backend.weight_packing import CpuFeatures
     from tests.codegen.test_torch_quantized_linear import _quantized_graph
 
     generator = torch.Generator().manual_seed(9)
@@ -172,6 +202,7 @@ def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
                                                    native.linear_w4.default, native.linear_w4.default]
     assert calls[4].target == torch.ops.octavo_torch.linear_dequantized.default
     for node in calls[:4]:
+        assert node.args[-1] is CpuFeatures.detect().native_bf16
         parameters = node.args[2:4] if node.target == native.linear_w4.default else node.args[2:3]
         assert all(getattr(graph_module, arg.target).dtype == torch.float32 for arg in parameters)
     for output, weight in zip(graph_module(x)[:4], dense.values(), strict=False):

@@ -8,6 +8,10 @@
 // Up to kGemvRows rows of x: a streaming kernel that reads every weight once, dequantizes it in registers and
 // keeps the rows of x in cache (memory-bound by design). More rows: a tile of output columns at a time is
 // dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+//
+// bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized tile rounded to bfloat16
+// (relative error 2^-9 each), products summed in float32 by oneDNN, the result rounded to bfloat16 once more and
+// widened, the bias added in float32. Only the rows above kGemvRows are affected; the GEMV is float32 always.
 #include "vec_utils.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -303,21 +307,34 @@ void dequantize_row(const W& w, int64_t n, float* dst) {
 }
 
 // out = x @ W.T (+ bias): each thread dequantizes kTileColumns weight rows at a time into its own buffer and
-// multiplies them with one single-threaded BLAS call writing that tile's output columns.
+// multiplies them with one single-threaded BLAS call writing that tile's output columns. bf16_gemm: the tile is
+// rounded to bfloat16 and multiplied with x rounded to bfloat16 (oneDNN's native bf16 GEMM, several times the
+// float32 one where the CPU has AVX512_BF16 or AMX); its bfloat16 result is widened into out and the bias added
+// in float32.
 template <typename W>
-void tiled_gemm(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+void tiled_gemm(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                bool bf16_gemm) {
   const int64_t K = w.K, N = w.N;
   const int64_t tiles = (N + kTileColumns - 1) / kTileColumns;
+  const at::Tensor x_gemm = bf16_gemm ? x.to(at::kBFloat16) : x;
   // The ATen calls below run on worker threads: give them the caller's inference mode and dispatch state.
   const at::ThreadLocalState caller_state;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard state_guard(caller_state);
     std::vector<float> buffer(kTileColumns * K);
+    std::vector<c10::BFloat16> narrow_buffer(bf16_gemm ? kTileColumns * K : 0);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t first = tile * kTileColumns, count = std::min(kTileColumns, N - first);
       for (int64_t i = 0; i < count; ++i) dequantize_row(w, first + i, buffer.data() + i * K);
-      const at::Tensor tile_weight = at::from_blob(buffer.data(), {count, K}, x.options());
       at::Tensor target = out.narrow(1, first, count);
+      if (bf16_gemm) {
+        at::vec::convert(buffer.data(), narrow_buffer.data(), count * K);
+        const at::Tensor tile_weight = at::from_blob(narrow_buffer.data(), {count, K}, x_gemm.options());
+        target.copy_(at::mm(x_gemm, tile_weight.t()));
+        if (bias.has_value()) target.add_(bias->narrow(0, first, count));
+        continue;
+      }
+      const at::Tensor tile_weight = at::from_blob(buffer.data(), {count, K}, x.options());
       if (bias.has_value()) {
         at::addmm_out(target, bias->narrow(0, first, count), x, tile_weight.t());
       } else {
@@ -366,18 +383,19 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, int64_t N, int6
 }
 
 template <typename W>
-void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
+             bool bf16_gemm) {
   const int64_t M = x.size(0);
   if (M <= kGemvRows) {
     gemv_dispatch(M, w, x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr,
                   out.data_ptr<float>());
   } else {
-    tiled_gemm(w, x, bias, out);
+    tiled_gemm(w, x, bias, out, bf16_gemm);
   }
 }
 
 at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, int64_t group_size) {
+                     const std::optional<at::Tensor>& bias, int64_t group_size, bool bf16_gemm) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2,
               "linear_w8: qweight must be a 2-d int8 CPU tensor, got ", qweight.scalar_type(), " ", qweight.sizes());
   TORCH_CHECK(group_size > 0, "linear_w8: group_size must be positive, got ", group_size);
@@ -385,12 +403,14 @@ at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
   return run_linear("linear_w8", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
-    compute(Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, x, b, out);
+    compute(Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, x, b, out,
+            bf16_gemm);
   });
 }
 
 at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
-                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias, int64_t group_size) {
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias, int64_t group_size,
+                     bool bf16_gemm) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2,
               "linear_w4: qweight must be a 2-d uint8 CPU tensor (two 4-bit values a byte), got ",
               qweight.scalar_type(), " ", qweight.sizes());
@@ -402,7 +422,7 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   return run_linear("linear_w4", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
     compute(Int4Weight{q.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(), o.const_data_ptr<float>(), N, K,
                        group_size, groups},
-            x, b, out);
+            x, b, out, bf16_gemm);
   });
 }
 

@@ -637,10 +637,12 @@ TORCH_LIBRARY(octavo_cpu, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
       "SymInt sliding_window=-1, Tensor(c!)? key_scale_cache=None, Tensor(d!)? value_scale_cache=None) -> Tensor");
   m.def("linear_w16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int group_size) -> Tensor");
   m.def(
-      "linear_w4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, Tensor? bias, int group_size) -> "
+      "linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int group_size, bool bf16_gemm=False) -> "
       "Tensor");
+  m.def(
+      "linear_w4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, Tensor? bias, int group_size, "
+      "bool bf16_gemm=False) -> Tensor");
   m.def("build_info() -> str", &octavo_cpu::build_info);
   m.def(
       "paged_attention_schedule(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, "
