@@ -61,6 +61,7 @@ struct Problem {
 struct Scratch {
   std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
   std::vector<const float*> queries, key_rows, value_rows;
+  std::vector<const void*> key_sources, value_sources, prefetched;
   std::vector<float*> records;
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
 };
@@ -107,11 +108,122 @@ void gather_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, in
   }
 }
 
+// Pool rows of positions [begin, begin + n) of kv head `head`, as typed pointers.
+template <typename CT>
+void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
+                  std::vector<const void*>& rows) {
+  rows.resize(n);
+  const CT* base = static_cast<const CT*>(pool.data) + head * pool.head_stride;
+  int64_t block = begin / block_size, offset = begin % block_size;
+  const CT* start = base + blocks[block] * pool.block_stride;
+  for (int64_t j = 0; j < n; ++j) {  // block by block: no division per row
+    if (offset == block_size) {
+      offset = 0;
+      start = base + blocks[++block] * pool.block_stride;
+    }
+    rows[j] = start + offset++ * pool.token_stride;
+  }
+}
+
+template <typename CT, int NV>
+inline void prefetch_row(const void* row) {
+  prefetch_bytes(row, NV * kLanes * static_cast<int64_t>(sizeof(CT)));
+}
+
+// scores[j] = scale * (q . k_j) for j in [0, n), rows of NV vectors of CT widened in registers as they are
+// read. kLanes keys at a time: each key's products are summed lane-wise into one vector, then one
+// transpose_sum turns the kLanes vectors into kLanes scores. scores has room for round_up(n, kLanes) values
+// (past n: 0). The lanes a key's terms land in depend only on its offset from the first key. With
+// `prefetch`, asks for the rows prefetch[j] as key j is scored.
+template <typename CT, int NV>
+void score_keys(const float* q, const void* const* rows, int64_t n, float scale, float* scores,
+                const void* const* prefetch) {
+  Vec qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(q + v * kLanes);
+  for (int64_t first = 0; first < n; first += kLanes) {
+    const int64_t count = std::min(kLanes, n - first);
+    if (prefetch != nullptr) {
+      for (int64_t j = first; j < first + count; ++j) prefetch_row<CT, NV>(prefetch[j]);
+    }
+    Vec acc[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= count) {
+        acc[j] = Vec(0.f);
+        continue;
+      }
+      const CT* key = static_cast<const CT*>(rows[first + j]);
+      Vec sum = qv[0] * load_widened(key);
+      for (int v = 1; v < NV; ++v) sum = at::vec::fmadd(qv[v], load_widened(key + v * kLanes), sum);
+      acc[j] = sum;
+    }
+    (transpose_sum(acc) * Vec(scale)).store(scores + first);
+  }
+}
+
+// out[0:NV * kLanes] = sum_j weights[j] * v_j, j in [0, n) in order, rows of CT widened in registers.
+template <typename CT, int NV>
+void weighted_values(const float* weights, const void* const* rows, int64_t n, float* out) {
+  Vec acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec w(weights[j]);
+    const CT* row = static_cast<const CT*>(rows[j]);
+    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(w, load_widened(row + v * kLanes), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) acc[v].store(out + v * kLanes);
+}
+
+// chunk_partials reading K and V straight from the pool (rows of NV whole vectors, float or 16-bit).
+template <typename CT, int NV>
+void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
+                           const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
+  const int64_t n = end - begin, pvd = p.padded_value_dim;
+  row_pointers<CT>(p.keys, blocks, p.block_size, begin, n, head, s.key_sources);
+  row_pointers<CT>(p.values, blocks, p.block_size, begin, n, head, s.value_sources);
+  // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
+  for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
+  s.scores.resize(round_up(n, kLanes));
+  float* scores = s.scores.data();
+  for (int64_t q = 0; q < nq; ++q) {
+    // The first query pulls K (and V) from memory; the others find them in L1.
+    score_keys<CT, NV>(queries[q], s.key_sources.data(), n, p.scale, scores, q == 0 ? s.value_sources.data() : nullptr);
+    const float m = row_max(scores, n);
+    records[q][pvd] = m;
+    records[q][pvd + 1] = exp_shift_sum(scores, n, m);
+    weighted_values<CT, NV>(scores, s.value_sources.data(), n, records[q]);
+  }
+}
+
+template <typename CT>
+using ChunkKernel = void (*)(const Problem&, const int32_t*, int64_t, int64_t, int64_t, const float* const*,
+                             float* const*, int64_t, Scratch&);
+
+// The direct kernel for this problem, or nullptr where rows must be widened into a tile first: quantized
+// caches (a scale per row), rows that are not whole vectors (a vector load would run into the next row),
+// key and value rows of different lengths, and the portable build (no transpose_sum).
+template <typename CT>
+ChunkKernel<CT> direct_kernel(const Problem& p) {
+  if constexpr (kQuantized<CT> || !kHasTransposeSum) {
+    return nullptr;
+  } else {
+    if (p.head_dim != p.padded_dim || p.value_dim != p.padded_value_dim || p.head_dim != p.value_dim) return nullptr;
+    switch (p.padded_dim / kLanes) {
+      case 1: return &chunk_partials_direct<CT, 1>;
+      case 2: return &chunk_partials_direct<CT, 2>;
+      case 4: return &chunk_partials_direct<CT, 4>;
+      case 6: return &chunk_partials_direct<CT, 6>;
+      case 8: return &chunk_partials_direct<CT, 8>;
+      case 16: return &chunk_partials_direct<CT, 16>;
+      default: return nullptr;
+    }
+  }
+}
+
 // Partial attention of queries[0:nq] over context positions [begin, end) of kv head `head`: for each query,
 // record[0:padded_value_dim] = sum_j exp(s_j - m) v_j, record[pvd] = m = max_j s_j, record[pvd + 1] =
 // sum_j exp(s_j - m), with s_j = scale * (q . k_j). One query's arithmetic never depends on the others.
 template <typename CT>
-void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
+void chunk_partials_tiled(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
   const int64_t n = end - begin, pvd = p.padded_value_dim;
   // Each K and V row is read from the pool (and widened) once for all queries.
@@ -127,6 +239,13 @@ void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64
     std::fill(records[q], records[q] + pvd, 0.f);
     accumulate(1.f, scores, s.value_rows.data(), n, records[q], pvd);
   }
+}
+
+template <typename CT>
+void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
+                    const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
+  if (const ChunkKernel<CT> kernel = direct_kernel<CT>(p)) return kernel(p, blocks, head, begin, end, queries, records, nq, s);
+  chunk_partials_tiled<CT>(p, blocks, head, begin, end, queries, records, nq, s);
 }
 
 // Scores of rows [0, rows) against one transposed key tile [dim][kKeyTile]: scores[r][j] = scale * q_r . k_j,
@@ -318,6 +437,27 @@ struct Partials {
   }
 };
 
+struct ChunkRange {
+  int64_t seq, begin, end;  // the sequence whose block table the chunk is read through, its positions
+};
+
+// The context positions a decode chunk item (kChunk or kShared) attends.
+ChunkRange chunk_range(const Problem& p, const Schedule& schedule, const int32_t* seq_lens, const Item& item) {
+  const int64_t chunk = chunk_tokens(p.block_size);
+  int64_t seq, c;
+  if (item.kind == Kind::kChunk) {
+    seq = schedule.decodes[item.index].seq;
+    c = item.value;
+  } else {
+    const SharedChunk& group = schedule.shared[item.index];
+    seq = schedule.decodes[group.members[0]].seq;
+    c = group.chunk;
+  }
+  const int64_t position = seq_lens[seq] - 1;
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+  return {seq, std::max(c * chunk, lowest), std::min((c + 1) * chunk, position + 1)};
+}
+
 template <typename CT>
 void run_item(const Problem& p, const Schedule& schedule, const Partials& partials, const int32_t* seq_lens,
               const int32_t* starts, const Item& item, Scratch& s) {
@@ -339,25 +479,29 @@ void run_item(const Problem& p, const Schedule& schedule, const Partials& partia
       s.records.push_back(partials.record(decode.slot + c - decode.first_chunk, item.head, g));
     }
   };
-  int64_t seq, c;
   s.finished.clear();
   if (item.kind == Kind::kChunk) {
-    seq = schedule.decodes[item.index].seq;
-    c = item.value;
-    add_queries(item.index, c);
+    add_queries(item.index, item.value);
     s.finished.push_back(item.index);
   } else {
     const SharedChunk& group = schedule.shared[item.index];
-    seq = schedule.decodes[group.members[0]].seq;
-    c = group.chunk;
-    for (int64_t d : group.members) add_queries(d, c);
+    for (int64_t d : group.members) add_queries(d, group.chunk);
     s.finished = group.members;
   }
-  const int64_t position = seq_lens[seq] - 1;
-  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
-  const int64_t begin = std::max(c * chunk, lowest), end = std::min((c + 1) * chunk, position + 1);
-  chunk_partials<CT>(p, p.block_tables + seq * p.table_stride, item.head, begin, end, s.queries.data(),
-                     s.records.data(), static_cast<int64_t>(s.queries.size()), s);
+  const ChunkRange range = chunk_range(p, schedule, seq_lens, item);
+  chunk_partials<CT>(p, p.block_tables + range.seq * p.table_stride, item.head, range.begin, range.end,
+                     s.queries.data(), s.records.data(), static_cast<int64_t>(s.queries.size()), s);
+}
+
+// Asks for the K rows a decode chunk item will read first (a prefill item reads its keys tile by tile).
+template <typename CT>
+void prefetch_item(const Problem& p, const Schedule& schedule, const int32_t* seq_lens, const Item& item,
+                   Scratch& s) {
+  if (item.kind == Kind::kPrefill || direct_kernel<CT>(p) == nullptr) return;
+  const ChunkRange range = chunk_range(p, schedule, seq_lens, item);
+  row_pointers<CT>(p.keys, p.block_tables + range.seq * p.table_stride, p.block_size, range.begin,
+                   range.end - range.begin, item.head, s.prefetched);
+  for (const void* row : s.prefetched) prefetch_bytes(row, p.head_dim * static_cast<int64_t>(sizeof(CT)));
 }
 
 // Merge one decode sequence's chunk partials of one kv head, in chunk order: softmax over the union of the
@@ -394,7 +538,7 @@ void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, in
     remaining[index].store(static_cast<int32_t>(schedule.decodes[index / p.num_kv_heads].num_chunks),
                            std::memory_order_relaxed);
   }
-  for_each_item<Scratch>(static_cast<int64_t>(schedule.items.size()), [&](int64_t index, Scratch& scratch) {
+  const auto body = [&](int64_t index, Scratch& scratch) {
     const Item& item = schedule.items[index];
     run_item<CT>(p, schedule, partials, seq_lens, starts, item, scratch);
     for (int64_t d : scratch.finished) {
@@ -403,7 +547,11 @@ void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, in
         merge_decode(p, schedule.decodes[d], item.head, partials, scratch.merged.data());
       }
     }
-  });
+  };
+  const auto prefetch = [&](int64_t index, Scratch& scratch) {
+    prefetch_item<CT>(p, schedule, seq_lens, schedule.items[index], scratch);
+  };
+  for_each_item_ahead<Scratch>(static_cast<int64_t>(schedule.items.size()), body, prefetch);
 }
 
 // ---- cache write ------------------------------------------------------------------------------------

@@ -129,6 +129,52 @@ inline Vec load_widened(const c10::Half* src) {
 #endif
 }
 
+inline Vec load_widened(const float* src) { return Vec::loadu(src); }
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasTransposeSum = true;
+
+// The kLanes horizontal sums of acc[0:kLanes] as one vector: lane j = sum of the lanes of acc[j]. A tree of
+// unpack/shuffle adds (kLanes - 1 combining steps of ~3 instructions) instead of kLanes horizontal sums; the
+// order in which lane j's terms are added depends only on j, never on the other vectors' values.
+__attribute__((always_inline)) inline Vec transpose_sum(const Vec* acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, each summed over that lane's 4 floats
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // [keys 8i..8i+3 over lanes 0+1, over 2+3, keys 8i+4..8i+7 over 0+1, over 2+3]
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1))));
+#else
+  __m256 pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = acc[2 * i], b = acc[2 * i + 1];
+    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return Vec(_mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                           _mm256_permute2f128_ps(quads[0], quads[1], 0x31)));
+#endif
+}
+#else
+constexpr bool kHasTransposeSum = false;
+#endif
+
 // ---- float vector arithmetic over padded rows (lengths are multiples of kLanes) ------------------
 
 // Horizontal sum / max of one vector (the generic Vectorized<float>::reduce_add does not compile in
@@ -270,6 +316,12 @@ inline float exp_shift_sum(float* row, int64_t n, float shift) {
   return hsum(total);
 }
 
+// Asks for the cache lines of bytes [0, n) of `data` (rows of a paged pool are scattered: the hardware
+// prefetcher cannot follow them).
+inline void prefetch_bytes(const void* data, int64_t n) {
+  for (int64_t offset = 0; offset < n; offset += 64) __builtin_prefetch(static_cast<const char*>(data) + offset);
+}
+
 // ---- dynamic scheduling ---------------------------------------------------------------------------
 
 // Runs body(item, thread_state) for item in [0, count) on at::parallel_for's threads, each thread taking
@@ -283,6 +335,26 @@ void for_each_item(int64_t count, const Body& body) {
     for (int64_t worker = begin; worker < end; ++worker) {
       State state;
       for (int64_t item = next.fetch_add(1); item < count; item = next.fetch_add(1)) body(item, state);
+    }
+  });
+}
+
+// for_each_item, with each thread claiming its next item before it runs the current one and calling
+// prefetch(next, thread_state) first: the memory that item reads is on its way while this one computes.
+template <typename State, typename Body, typename Prefetch>
+void for_each_item_ahead(int64_t count, const Body& body, const Prefetch& prefetch) {
+  if (count == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      State state;
+      for (int64_t item = next.fetch_add(1); item < count;) {
+        const int64_t following = next.fetch_add(1);
+        if (following < count) prefetch(following, state);
+        body(item, state);
+        item = following;
+      }
     }
   });
 }
