@@ -34,6 +34,8 @@ EDGE_CASES = {
     "head-dim-not-a-vector-multiple": ([(33, 1), (20, 20)], 16, 4, 2, 80, torch.float16, -1),
     "head-dim-8-fp32": ([(5, 1), (3, 3)], 4, 4, 2, 8, torch.float32, -1),
     "block-larger-than-chunk": ([(300, 1), (130, 1), (90, 30)], 128, 4, 2, 64, torch.float32, -1),
+    "head-dim-96-decodes-bf16": ([(100, 1), (47, 1), (16, 1)], 16, 6, 2, 96, torch.bfloat16, -1),
+    "head-dim-32-decodes-fp16-gqa5": ([(81, 1), (33, 1), (20, 4)], 16, 10, 2, 32, torch.float16, -1),
 }
 
 

@@ -130,67 +130,97 @@ inline void prefetch_row(const void* row) {
   prefetch_bytes(row, NV * kLanes * static_cast<int64_t>(sizeof(CT)));
 }
 
-// scores[j] = scale * (q . k_j) for j in [0, n), rows of NV vectors of CT widened in registers as they are
-// read. kLanes keys at a time: each key's products are summed lane-wise into one vector, then one
-// transpose_sum turns the kLanes vectors into kLanes scores. scores has room for round_up(n, kLanes) values
-// (past n: 0). The lanes a key's terms land in depend only on its offset from the first key. With
-// `prefetch`, asks for the rows prefetch[j] as key j is scored.
-template <typename CT, int NV>
-void score_keys(const float* q, const void* const* rows, int64_t n, float scale, float* scores,
+// scores[q][j] = scale * (queries[q] . k_j) for the NQ queries and j in [0, n), rows of NV vectors of CT
+// widened in registers once for all NQ queries. kLanes keys at a time: each (query, key)'s products are
+// summed lane-wise into one vector, then one transpose_sum per query turns its kLanes vectors into kLanes
+// scores. Each scores[q] has room for round_up(n, kLanes) values (past n: 0). A query's arithmetic is the
+// same whatever NQ and the other queries are; the lanes a key's terms land in depend only on its offset
+// from the first key. With `prefetch`, asks for the rows prefetch[j] as key j is scored.
+template <typename CT, int NV, int NQ>
+void score_keys(const float* const* queries, const void* const* rows, int64_t n, float scale, float* const* scores,
                 const void* const* prefetch) {
-  Vec qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(q + v * kLanes);
   for (int64_t first = 0; first < n; first += kLanes) {
     const int64_t count = std::min(kLanes, n - first);
     if (prefetch != nullptr) {
       for (int64_t j = first; j < first + count; ++j) prefetch_row<CT, NV>(prefetch[j]);
     }
-    Vec acc[kLanes];
+    Vec acc[NQ][kLanes];
     for (int64_t j = 0; j < kLanes; ++j) {
       if (j >= count) {
-        acc[j] = Vec(0.f);
+        for (int q = 0; q < NQ; ++q) acc[q][j] = Vec(0.f);
         continue;
       }
       const CT* key = static_cast<const CT*>(rows[first + j]);
-      Vec sum = qv[0] * load_widened(key);
-      for (int v = 1; v < NV; ++v) sum = at::vec::fmadd(qv[v], load_widened(key + v * kLanes), sum);
-      acc[j] = sum;
+      Vec k[NV];
+      for (int v = 0; v < NV; ++v) k[v] = load_widened(key + v * kLanes);
+      for (int q = 0; q < NQ; ++q) {
+        Vec sum = Vec::loadu(queries[q]) * k[0];
+        for (int v = 1; v < NV; ++v) sum = at::vec::fmadd(Vec::loadu(queries[q] + v * kLanes), k[v], sum);
+        acc[q][j] = sum;
+      }
     }
-    (transpose_sum(acc) * Vec(scale)).store(scores + first);
+    for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * Vec(scale)).store(scores[q] + first);
   }
 }
 
-// out[0:NV * kLanes] = sum_j weights[j] * v_j, j in [0, n) in order, rows of CT widened in registers.
-template <typename CT, int NV>
-void weighted_values(const float* weights, const void* const* rows, int64_t n, float* out) {
-  Vec acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
+// out[q][0:NV * kLanes] = sum_j weights[q][j] * v_j for the NQ queries, j in [0, n) in order, rows of CT
+// widened in registers once for all NQ queries.
+template <typename CT, int NV, int NQ>
+void weighted_values(const float* const* weights, const void* const* rows, int64_t n, float* const* out) {
+  Vec acc[NQ][NV];
+  for (int q = 0; q < NQ; ++q)
+    for (int v = 0; v < NV; ++v) acc[q][v] = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
-    const Vec w(weights[j]);
     const CT* row = static_cast<const CT*>(rows[j]);
-    for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(w, load_widened(row + v * kLanes), acc[v]);
+    Vec value[NV];
+    for (int v = 0; v < NV; ++v) value[v] = load_widened(row + v * kLanes);
+    for (int q = 0; q < NQ; ++q) {
+      const Vec w(weights[q][j]);
+      for (int v = 0; v < NV; ++v) acc[q][v] = at::vec::fmadd(w, value[v], acc[q][v]);
+    }
   }
-  for (int v = 0; v < NV; ++v) acc[v].store(out + v * kLanes);
+  for (int q = 0; q < NQ; ++q)
+    for (int v = 0; v < NV; ++v) acc[q][v].store(out[q] + v * kLanes);
 }
 
-// chunk_partials reading K and V straight from the pool (rows of NV whole vectors, float or 16-bit).
+// Partials (see chunk_partials) of NQ queries over the chunk whose rows s.key_sources / s.value_sources hold.
+template <typename CT, int NV, int NQ>
+void query_group_partials(const Problem& p, int64_t n, const float* const* queries, float* const* records,
+                          bool pull_values, Scratch& s) {
+  const int64_t pvd = p.padded_value_dim, stride = round_up(n, kLanes);
+  float* scores[NQ];
+  for (int q = 0; q < NQ; ++q) scores[q] = s.scores.data() + q * stride;
+  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), n, p.scale, scores,
+                         pull_values ? s.value_sources.data() : nullptr);
+  for (int q = 0; q < NQ; ++q) {
+    const float m = row_max(scores[q], n);
+    records[q][pvd] = m;
+    records[q][pvd + 1] = exp_shift_sum(scores[q], n, m);
+  }
+  weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records);
+}
+
+// chunk_partials reading K and V straight from the pool (rows of NV whole vectors, float or 16-bit), the
+// queries in groups of up to kGroup so that each row widened serves several queries (kGroup * NV vector
+// accumulators stay in registers).
 template <typename CT, int NV>
 void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
                            const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
-  const int64_t n = end - begin, pvd = p.padded_value_dim;
+  constexpr int kGroup = std::max(1, std::min(4, 16 / NV));
+  const int64_t n = end - begin;
   row_pointers<CT>(p.keys, blocks, p.block_size, begin, n, head, s.key_sources);
   row_pointers<CT>(p.values, blocks, p.block_size, begin, n, head, s.value_sources);
   // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
   for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
-  s.scores.resize(round_up(n, kLanes));
-  float* scores = s.scores.data();
-  for (int64_t q = 0; q < nq; ++q) {
-    // The first query pulls K (and V) from memory; the others find them in L1.
-    score_keys<CT, NV>(queries[q], s.key_sources.data(), n, p.scale, scores, q == 0 ? s.value_sources.data() : nullptr);
-    const float m = row_max(scores, n);
-    records[q][pvd] = m;
-    records[q][pvd + 1] = exp_shift_sum(scores, n, m);
-    weighted_values<CT, NV>(scores, s.value_sources.data(), n, records[q]);
+  s.scores.resize(kGroup * round_up(n, kLanes));
+  for (int64_t q = 0; q < nq; q += kGroup) {
+    const bool first = q == 0;  // the first group pulls K and V from memory, the others find them in L1
+    switch (std::min<int64_t>(kGroup, nq - q)) {
+      case 1: query_group_partials<CT, NV, 1>(p, n, queries + q, records + q, first, s); break;
+      case 2: if constexpr (kGroup >= 2) query_group_partials<CT, NV, 2>(p, n, queries + q, records + q, first, s); break;
+      case 3: if constexpr (kGroup >= 3) query_group_partials<CT, NV, 3>(p, n, queries + q, records + q, first, s); break;
+      default: if constexpr (kGroup >= 4) query_group_partials<CT, NV, 4>(p, n, queries + q, records + q, first, s); break;
+    }
   }
 }
 
