@@ -130,11 +130,13 @@ def schedule(batch: dict) -> dict:
     return dict(zip(("prefill", "shared", "single", "decodes"), counts, strict=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_cascade_equals_unshared_bit_for_bit(dtype, cpu_kernels):
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, None), (torch.bfloat16, None),
+                                                   (torch.float16, None), (torch.float32, torch.int8)],
+                         ids=["fp32", "bf16", "fp16", "int8-cache"])
+def test_cascade_equals_unshared_bit_for_bit(dtype, cache_dtype, cpu_kernels):
     """Decodes sharing a 160-token prefix read its full chunks once (cascade), with the same bits as unshared."""
     shapes = [(161, 1), (200, 1), (333, 1), (170, 1), (250, 1)]
-    shared = make_batch(shapes, 9, 3, 64, dtype=dtype, shared_blocks=10, seed=11)
+    shared = make_batch(shapes, 9, 3, 64, dtype=dtype, cache_dtype=cache_dtype, shared_blocks=10, seed=11)
     unshared = unshare_blocks(shared)
     assert schedule(shared)["shared"] == 2 * 3  # chunks [0, 64) and [64, 128) of 3 kv heads
     assert schedule(unshared)["shared"] == 0

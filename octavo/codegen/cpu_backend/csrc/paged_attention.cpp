@@ -62,6 +62,7 @@ struct Scratch {
   std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
   std::vector<const float*> queries, key_rows, value_rows;
   std::vector<const void*> key_sources, value_sources, prefetched;
+  std::vector<float> key_scales, value_scales;  // per row of the chunk, for quantized caches
   std::vector<float*> records;
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
 };
@@ -125,6 +126,17 @@ void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, i
   }
 }
 
+// Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors.
+void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
+                std::vector<float>& scales) {
+  scales.assign(round_up(n, kLanes), 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t position = begin + j;
+    scales[j] = pool.scales[blocks[position / block_size] * pool.scale_block_stride +
+                            (position % block_size) * pool.scale_token_stride + head * pool.scale_head_stride];
+  }
+}
+
 template <typename CT, int NV>
 inline void prefetch_row(const void* row) {
   prefetch_bytes(row, NV * kLanes * static_cast<int64_t>(sizeof(CT)));
@@ -135,10 +147,11 @@ inline void prefetch_row(const void* row) {
 // summed lane-wise into one vector, then one transpose_sum per query turns its kLanes vectors into kLanes
 // scores. Each scores[q] has room for round_up(n, kLanes) values (past n: 0). A query's arithmetic is the
 // same whatever NQ and the other queries are; the lanes a key's terms land in depend only on its offset
-// from the first key. With `prefetch`, asks for the rows prefetch[j] as key j is scored.
+// from the first key. With `prefetch`, asks for the rows prefetch[j] as key j is scored. Quantized rows:
+// the dot product with the stored integers times the row's scale (key_scales[j]) times `scale`.
 template <typename CT, int NV, int NQ>
-void score_keys(const float* const* queries, const void* const* rows, int64_t n, float scale, float* const* scores,
-                const void* const* prefetch) {
+void score_keys(const float* const* queries, const void* const* rows, const float* key_scales, int64_t n, float scale,
+                float* const* scores, const void* const* prefetch) {
   for (int64_t first = 0; first < n; first += kLanes) {
     const int64_t count = std::min(kLanes, n - first);
     if (prefetch != nullptr) {
@@ -159,7 +172,12 @@ void score_keys(const float* const* queries, const void* const* rows, int64_t n,
         acc[q][j] = sum;
       }
     }
-    for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * Vec(scale)).store(scores[q] + first);
+    if constexpr (kQuantized<CT>) {
+      const Vec row_scale = Vec::loadu(key_scales + first);
+      for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * row_scale * Vec(scale)).store(scores[q] + first);
+    } else {
+      for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * Vec(scale)).store(scores[q] + first);
+    }
   }
 }
 
@@ -190,17 +208,22 @@ void query_group_partials(const Problem& p, int64_t n, const float* const* queri
   const int64_t pvd = p.padded_value_dim, stride = round_up(n, kLanes);
   float* scores[NQ];
   for (int q = 0; q < NQ; ++q) scores[q] = s.scores.data() + q * stride;
-  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), n, p.scale, scores,
+  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores,
                          pull_values ? s.value_sources.data() : nullptr);
   for (int q = 0; q < NQ; ++q) {
     const float m = row_max(scores[q], n);
     records[q][pvd] = m;
     records[q][pvd + 1] = exp_shift_sum(scores[q], n, m);
+    if constexpr (kQuantized<CT>) {  // weights exp(s_j - m) times the scale of value row j
+      for (int64_t j = 0; j < stride; j += kLanes) {
+        (Vec::loadu(scores[q] + j) * Vec::loadu(s.value_scales.data() + j)).store(scores[q] + j);
+      }
+    }
   }
   weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records);
 }
 
-// chunk_partials reading K and V straight from the pool (rows of NV whole vectors, float or 16-bit), the
+// chunk_partials reading K and V straight from the pool (rows of NV whole vectors: float, 16-bit or int8), the
 // queries in groups of up to kGroup so that each row widened serves several queries (kGroup * NV vector
 // accumulators stay in registers).
 template <typename CT, int NV>
@@ -210,6 +233,10 @@ void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head
   const int64_t n = end - begin;
   row_pointers<CT>(p.keys, blocks, p.block_size, begin, n, head, s.key_sources);
   row_pointers<CT>(p.values, blocks, p.block_size, begin, n, head, s.value_sources);
+  if constexpr (kQuantized<CT>) {
+    row_scales(p.keys, blocks, p.block_size, begin, n, head, s.key_scales);
+    row_scales(p.values, blocks, p.block_size, begin, n, head, s.value_scales);
+  }
   // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
   for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
   s.scores.resize(kGroup * round_up(n, kLanes));
@@ -228,12 +255,12 @@ template <typename CT>
 using ChunkKernel = void (*)(const Problem&, const int32_t*, int64_t, int64_t, int64_t, const float* const*,
                              float* const*, int64_t, Scratch&);
 
-// The direct kernel for this problem, or nullptr where rows must be widened into a tile first: quantized
-// caches (a scale per row), rows that are not whole vectors (a vector load would run into the next row),
+// The direct kernel for this problem, or nullptr where rows must be widened into a tile first: float8
+// caches (no instruction widens them: a table lookup per element), rows that are not whole vectors (a vector load would run into the next row),
 // key and value rows of different lengths, and the portable build (no transpose_sum).
 template <typename CT>
 ChunkKernel<CT> direct_kernel(const Problem& p) {
-  if constexpr (kQuantized<CT> || !kHasTransposeSum) {
+  if constexpr (std::is_same_v<CT, c10::Float8_e4m3fn> || !kHasTransposeSum) {
     return nullptr;
   } else {
     if (p.head_dim != p.padded_dim || p.value_dim != p.padded_value_dim || p.head_dim != p.value_dim) return nullptr;

@@ -131,6 +131,18 @@ inline Vec load_widened(const c10::Half* src) {
 
 inline Vec load_widened(const float* src) { return Vec::loadu(src); }
 
+inline Vec load_widened(const int8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool kHasTransposeSum = true;
 
