@@ -4,13 +4,15 @@
 // Decode (one query token): every context is cut at fixed chunk boundaries (kChunkTokens, whole blocks,
 // counted from position 0). Each (sequence, kv head, chunk) yields a partial (max, exp-sum, weighted sum)
 // for the group's query heads, so every K/V row is loaded once per group; the partials of a sequence are
-// merged by log-sum-exp in chunk order. A full chunk whose blocks several decode sequences share (prefix
-// caching) is computed once for all of them (cascade): the arithmetic of each query is the same code in
-// the same order either way, so results are bitwise equal with or without sharing, and equal whatever
-// else is in the batch.
+// merged by log-sum-exp in chunk order. Float, 16-bit and int8 rows of whole vectors are read in place
+// (paged_decode.h); other rows are widened into a float tile first. A full chunk whose blocks several
+// decode sequences share (prefix caching) is computed once for all of them (cascade): the arithmetic of
+// each query is the same code in the same order either way, so results are bitwise equal with or without
+// sharing, and equal whatever else is in the batch.
 // Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
 // softmax, one work item per (sequence, kv head, tile of query positions).
 // All work items of a call share one pool of threads, handed out one at a time.
+#include "paged_decode.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -29,43 +31,7 @@
 namespace octavo_cpu {
 namespace {
 
-constexpr int64_t kChunkTokens = 64;  // decode chunk length (rounded up to whole blocks)
-constexpr int64_t kKeyTile = 32;      // keys per prefill tile
-constexpr int64_t kPrefillRows = 96;  // query rows (positions x heads of a group) per prefill work item
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
-
-template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
-
-// One paged pool [num_blocks, block_size, Hkv, D], with its scales [num_blocks, block_size, Hkv] if quantized.
-struct Pool {
-  void* data = nullptr;
-  int64_t block_stride = 0, token_stride = 0, head_stride = 0;
-  float* scales = nullptr;
-  int64_t scale_block_stride = 0, scale_token_stride = 0, scale_head_stride = 0;
-};
-
-struct Problem {
-  int64_t num_heads, num_kv_heads, group, head_dim, value_dim, padded_dim, padded_value_dim, block_size;
-  float scale;
-  int64_t window;
-  const int32_t* block_tables;
-  int64_t table_stride;
-  const float* query;  // [T, Hq, padded_dim], zero past head_dim
-  float* output;       // [T, Hq, padded_value_dim]
-  Pool keys, values;
-  int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
-};
-
-struct Scratch {
-  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
-  std::vector<const float*> queries, key_rows, value_rows;
-  std::vector<const void*> key_sources, value_sources, prefetched;
-  std::vector<float> key_scales, value_scales;  // per row of the chunk, for quantized caches
-  std::vector<float*> records;
-  std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
-};
+using namespace paged;  // the kernels' shapes and the in-place decode kernel
 
 // Context position `position` of kv head `head` as floats in dst[0:dim] (dequantized); dst[dim:] untouched.
 template <typename CT>
@@ -109,176 +75,7 @@ void gather_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, in
   }
 }
 
-// Pool rows of positions [begin, begin + n) of kv head `head`, as typed pointers.
-template <typename CT>
-void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
-                  std::vector<const void*>& rows) {
-  rows.resize(n);
-  const CT* base = static_cast<const CT*>(pool.data) + head * pool.head_stride;
-  int64_t block = begin / block_size, offset = begin % block_size;
-  const CT* start = base + blocks[block] * pool.block_stride;
-  for (int64_t j = 0; j < n; ++j) {  // block by block: no division per row
-    if (offset == block_size) {
-      offset = 0;
-      start = base + blocks[++block] * pool.block_stride;
-    }
-    rows[j] = start + offset++ * pool.token_stride;
-  }
-}
-
-// Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors.
-void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
-                std::vector<float>& scales) {
-  scales.assign(round_up(n, kLanes), 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t position = begin + j;
-    scales[j] = pool.scales[blocks[position / block_size] * pool.scale_block_stride +
-                            (position % block_size) * pool.scale_token_stride + head * pool.scale_head_stride];
-  }
-}
-
-template <typename CT, int NV>
-inline void prefetch_row(const void* row) {
-  prefetch_bytes(row, NV * kLanes * static_cast<int64_t>(sizeof(CT)));
-}
-
-// scores[q][j] = scale * (queries[q] . k_j) for the NQ queries and j in [0, n), rows of NV vectors of CT
-// widened in registers once for all NQ queries. kLanes keys at a time: each (query, key)'s products are
-// summed lane-wise into one vector, then one transpose_sum per query turns its kLanes vectors into kLanes
-// scores. Each scores[q] has room for round_up(n, kLanes) values (past n: 0). A query's arithmetic is the
-// same whatever NQ and the other queries are; the lanes a key's terms land in depend only on its offset
-// from the first key. With `prefetch`, asks for the rows prefetch[j] as key j is scored. Quantized rows:
-// the dot product with the stored integers times the row's scale (key_scales[j]) times `scale`.
-template <typename CT, int NV, int NQ>
-void score_keys(const float* const* queries, const void* const* rows, const float* key_scales, int64_t n, float scale,
-                float* const* scores, const void* const* prefetch) {
-  for (int64_t first = 0; first < n; first += kLanes) {
-    const int64_t count = std::min(kLanes, n - first);
-    if (prefetch != nullptr) {
-      for (int64_t j = first; j < first + count; ++j) prefetch_row<CT, NV>(prefetch[j]);
-    }
-    Vec acc[NQ][kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) {
-      if (j >= count) {
-        for (int q = 0; q < NQ; ++q) acc[q][j] = Vec(0.f);
-        continue;
-      }
-      const CT* key = static_cast<const CT*>(rows[first + j]);
-      Vec k[NV];
-      for (int v = 0; v < NV; ++v) k[v] = load_widened(key + v * kLanes);
-      for (int q = 0; q < NQ; ++q) {
-        Vec sum = Vec::loadu(queries[q]) * k[0];
-        for (int v = 1; v < NV; ++v) sum = at::vec::fmadd(Vec::loadu(queries[q] + v * kLanes), k[v], sum);
-        acc[q][j] = sum;
-      }
-    }
-    if constexpr (kQuantized<CT>) {
-      const Vec row_scale = Vec::loadu(key_scales + first);
-      for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * row_scale * Vec(scale)).store(scores[q] + first);
-    } else {
-      for (int q = 0; q < NQ; ++q) (transpose_sum(acc[q]) * Vec(scale)).store(scores[q] + first);
-    }
-  }
-}
-
-// out[q][0:NV * kLanes] = sum_j weights[q][j] * v_j for the NQ queries, j in [0, n) in order, rows of CT
-// widened in registers once for all NQ queries.
-template <typename CT, int NV, int NQ>
-void weighted_values(const float* const* weights, const void* const* rows, int64_t n, float* const* out) {
-  Vec acc[NQ][NV];
-  for (int q = 0; q < NQ; ++q)
-    for (int v = 0; v < NV; ++v) acc[q][v] = Vec(0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const CT* row = static_cast<const CT*>(rows[j]);
-    Vec value[NV];
-    for (int v = 0; v < NV; ++v) value[v] = load_widened(row + v * kLanes);
-    for (int q = 0; q < NQ; ++q) {
-      const Vec w(weights[q][j]);
-      for (int v = 0; v < NV; ++v) acc[q][v] = at::vec::fmadd(w, value[v], acc[q][v]);
-    }
-  }
-  for (int q = 0; q < NQ; ++q)
-    for (int v = 0; v < NV; ++v) acc[q][v].store(out[q] + v * kLanes);
-}
-
-// Partials (see chunk_partials) of NQ queries over the chunk whose rows s.key_sources / s.value_sources hold.
-template <typename CT, int NV, int NQ>
-void query_group_partials(const Problem& p, int64_t n, const float* const* queries, float* const* records,
-                          bool pull_values, Scratch& s) {
-  const int64_t pvd = p.padded_value_dim, stride = round_up(n, kLanes);
-  float* scores[NQ];
-  for (int q = 0; q < NQ; ++q) scores[q] = s.scores.data() + q * stride;
-  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores,
-                         pull_values ? s.value_sources.data() : nullptr);
-  for (int q = 0; q < NQ; ++q) {
-    const float m = row_max(scores[q], n);
-    records[q][pvd] = m;
-    records[q][pvd + 1] = exp_shift_sum(scores[q], n, m);
-    if constexpr (kQuantized<CT>) {  // weights exp(s_j - m) times the scale of value row j
-      for (int64_t j = 0; j < stride; j += kLanes) {
-        (Vec::loadu(scores[q] + j) * Vec::loadu(s.value_scales.data() + j)).store(scores[q] + j);
-      }
-    }
-  }
-  weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records);
-}
-
-// chunk_partials reading K and V straight from the pool (rows of NV whole vectors: float, 16-bit or int8), the
-// queries in groups of up to kGroup so that each row widened serves several queries (kGroup * NV vector
-// accumulators stay in registers).
-template <typename CT, int NV>
-void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
-                           const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
-  constexpr int kGroup = std::max(1, std::min(4, 16 / NV));
-  const int64_t n = end - begin;
-  row_pointers<CT>(p.keys, blocks, p.block_size, begin, n, head, s.key_sources);
-  row_pointers<CT>(p.values, blocks, p.block_size, begin, n, head, s.value_sources);
-  if constexpr (kQuantized<CT>) {
-    row_scales(p.keys, blocks, p.block_size, begin, n, head, s.key_scales);
-    row_scales(p.values, blocks, p.block_size, begin, n, head, s.value_scales);
-  }
-  // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
-  for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
-  s.scores.resize(kGroup * round_up(n, kLanes));
-  for (int64_t q = 0; q < nq; q += kGroup) {
-    const bool first = q == 0;  // the first group pulls K and V from memory, the others find them in L1
-    switch (std::min<int64_t>(kGroup, nq - q)) {
-      case 1: query_group_partials<CT, NV, 1>(p, n, queries + q, records + q, first, s); break;
-      case 2: if constexpr (kGroup >= 2) query_group_partials<CT, NV, 2>(p, n, queries + q, records + q, first, s); break;
-      case 3: if constexpr (kGroup >= 3) query_group_partials<CT, NV, 3>(p, n, queries + q, records + q, first, s); break;
-      default: if constexpr (kGroup >= 4) query_group_partials<CT, NV, 4>(p, n, queries + q, records + q, first, s); break;
-    }
-  }
-}
-
-template <typename CT>
-using ChunkKernel = void (*)(const Problem&, const int32_t*, int64_t, int64_t, int64_t, const float* const*,
-                             float* const*, int64_t, Scratch&);
-
-// The direct kernel for this problem, or nullptr where rows must be widened into a tile first: float8
-// caches (no instruction widens them: a table lookup per element), rows that are not whole vectors (a vector load would run into the next row),
-// key and value rows of different lengths, and the portable build (no transpose_sum).
-template <typename CT>
-ChunkKernel<CT> direct_kernel(const Problem& p) {
-  if constexpr (std::is_same_v<CT, c10::Float8_e4m3fn> || !kHasTransposeSum) {
-    return nullptr;
-  } else {
-    if (p.head_dim != p.padded_dim || p.value_dim != p.padded_value_dim || p.head_dim != p.value_dim) return nullptr;
-    switch (p.padded_dim / kLanes) {
-      case 1: return &chunk_partials_direct<CT, 1>;
-      case 2: return &chunk_partials_direct<CT, 2>;
-      case 4: return &chunk_partials_direct<CT, 4>;
-      case 6: return &chunk_partials_direct<CT, 6>;
-      case 8: return &chunk_partials_direct<CT, 8>;
-      case 16: return &chunk_partials_direct<CT, 16>;
-      default: return nullptr;
-    }
-  }
-}
-
-// Partial attention of queries[0:nq] over context positions [begin, end) of kv head `head`: for each query,
-// record[0:padded_value_dim] = sum_j exp(s_j - m) v_j, record[pvd] = m = max_j s_j, record[pvd + 1] =
-// sum_j exp(s_j - m), with s_j = scale * (q . k_j). One query's arithmetic never depends on the others.
+// chunk_partials with every K and V row first widened (and dequantized) into a float tile.
 template <typename CT>
 void chunk_partials_tiled(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
@@ -298,6 +95,9 @@ void chunk_partials_tiled(const Problem& p, const int32_t* blocks, int64_t head,
   }
 }
 
+// Partial attention of queries[0:nq] over context positions [begin, end) of kv head `head`: for each query,
+// record[0:padded_value_dim] = sum_j exp(s_j - m) v_j, record[pvd] = m = max_j s_j, record[pvd + 1] =
+// sum_j exp(s_j - m), with s_j = scale * (q . k_j). One query's arithmetic never depends on the others.
 template <typename CT>
 void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64_t begin, int64_t end,
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {

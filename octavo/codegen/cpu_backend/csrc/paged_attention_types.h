@@ -1,0 +1,53 @@
+// Shapes and scratch shared by the paged-attention kernels (paged_attention.cpp, paged_decode.h).
+#pragma once
+
+#include "vec_utils.h"
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace octavo_cpu {
+namespace paged {
+
+constexpr int64_t kChunkTokens = 64;  // decode chunk length (rounded up to whole blocks)
+constexpr int64_t kKeyTile = 32;      // keys per prefill tile
+constexpr int64_t kPrefillRows = 96;  // query rows (positions x heads of a group) per prefill work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// One paged pool [num_blocks, block_size, Hkv, D], with its scales [num_blocks, block_size, Hkv] if quantized.
+struct Pool {
+  void* data = nullptr;
+  int64_t block_stride = 0, token_stride = 0, head_stride = 0;
+  float* scales = nullptr;
+  int64_t scale_block_stride = 0, scale_token_stride = 0, scale_head_stride = 0;
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_dim, value_dim, padded_dim, padded_value_dim, block_size;
+  float scale;
+  int64_t window;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const float* query;  // [T, Hq, padded_dim], zero past head_dim
+  float* output;       // [T, Hq, padded_value_dim]
+  Pool keys, values;
+  int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
+};
+
+struct Scratch {
+  std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
+  std::vector<const float*> queries, key_rows, value_rows;
+  std::vector<const void*> key_sources, value_sources, prefetched;
+  std::vector<float> key_scales, value_scales;  // per row of the chunk, for quantized caches
+  std::vector<float*> records;
+  std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
+};
+
+}  // namespace paged
+}  // namespace octavo_cpu
