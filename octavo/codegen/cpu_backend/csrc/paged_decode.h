@@ -30,8 +30,8 @@ void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, i
 }
 
 // Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors.
-inline void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
-                std::vector<float>& scales) {
+inline void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
+                       int64_t head, std::vector<float>& scales) {
   scales.assign(round_up(n, kLanes), 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t position = begin + j;
