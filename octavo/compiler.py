@@ -160,13 +160,18 @@ def _calibration(model_source: ModelSource, traced: TracedModel, config: Compile
     source = config.calibration or "default"
     text = calibration_text(source)
     token_ids = list(model_source.tokenizer.encode(text, add_special_tokens=False))
-    key = (config.dtype, source, text_digest(text))
+    key = (config.dtype, source, text_digest(text), scheme.sequential_key())
     if calibrations is not None and key in calibrations:
         return calibrations[key]
     calibration = Calibration(source, text_digest(text), token_ids)
     runs = calibration.calibration_runs()
     stage(f"calibrating on {sum(map(len, runs))} tokens of the {source} text ({len(runs)} runs)")
-    calibration.linear_inputs = collect_linear_inputs(traced.graph_module, traced.weights, runs, config.progress)
+    replace = None
+    if scheme.sequential_key() is not None:
+        def replace(name, weight, stats):
+            return scheme.replace_calibrated_weight(name, weight, stats, calibration)
+    calibration.linear_inputs = collect_linear_inputs(traced.graph_module, traced.weights, runs, config.progress,
+                                                      replace)
     calibration.runs, calibration.run_tokens = len(runs), sum(map(len, runs))
     if calibrations is not None:
         calibrations[key] = calibration

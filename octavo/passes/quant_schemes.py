@@ -84,6 +84,20 @@ class QuantScheme:
         return {"scheme": self.name, "layout": self.layout, "group_size": self.group_size,
                 "calibrated": self.calibrated}
 
+    def sequential_key(self) -> tuple | None:
+        """None when the scheme reads statistics of the float model; else what its sequential statistics depend on.
+
+        A sequential scheme's statistics come from a calibration run in which every linear already
+        uses the value ``replace_calibrated_weight`` gives it (see frontend.calibration), so
+        calibrations can only be shared between configs with the same key.
+        """
+        return None
+
+    def replace_calibrated_weight(self, name: str, weight: Tensor, stats: LinearInputStats,
+                                  calibration: Calibration) -> Tensor:
+        """The value the sequential calibration run uses for traced weight `name` from then on (the weight itself)."""
+        return weight
+
 
 def rtn(layout: str, weight: Tensor, group_size: int | None) -> QuantizedWeight:
     """RTN of ``weight`` into ``layout``; w4 needs a group size, w8 takes None for per-channel."""
@@ -103,7 +117,9 @@ class Calibration:
     ``source`` names the text ("default": the standard library docstrings' calibration part,
     else the file given); ``sha256`` is the text's digest. ``linear_inputs`` maps weight
     placeholder names of the traced graph to the statistics of their linear's input over the
-    ``runs`` runs (``run_tokens`` tokens in all) the compiler ran the float model on. The
+    ``runs`` runs (``run_tokens`` tokens in all) the compiler ran the float model on (a sequential
+    scheme: the model whose earlier linears are already quantized); ``solved`` is where a
+    sequential scheme keeps what it computed during that run, by traced weight name. The
     manifest records ``description``.
     """
 
@@ -113,6 +129,7 @@ class Calibration:
     linear_inputs: dict[str, LinearInputStats] = field(default_factory=dict)
     runs: int = 0
     run_tokens: int = 0
+    solved: dict = field(default_factory=dict)
 
     @property
     def description(self) -> dict:

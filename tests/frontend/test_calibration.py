@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -46,3 +47,35 @@ def test_statistics_equal_the_inputs_hf_linears_see():
     prefix = "model_layers_1_self_attn_"
     assert stats[f"{prefix}q_proj_weight"] is stats[f"{prefix}k_proj_weight"] is stats[f"{prefix}v_proj_weight"]
     assert stats[f"{prefix}o_proj_weight"] is not stats[f"{prefix}q_proj_weight"]
+
+
+def test_sequential_mode_records_the_inputs_of_the_model_with_every_earlier_weight_replaced():
+    """With every linear weight but the lm_head halved (what the replacer returns), each linear's input in
+    the sequential run is what it reads in the HF model whose linears are all halved: a linear's input
+    depends only on the linears before it. The replacer is called once per weight, in graph order, when
+    its input's statistics hold every run's rows; the lm_head is never replaced."""
+    model, traced = traced_model("llama", "float32")
+    generator = torch.Generator().manual_seed(1)
+    runs = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (13, 9)]
+    calls = []
+
+    def halve(name, weight, stats):
+        calls.append((name, stats.rows))
+        return weight * 0.5
+
+    linear_weights = [node.args[1].name for node in traced.graph_module.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.linear.default)]
+    before = {name: traced.weights[name].clone() for name in linear_weights}
+    stats = collect_linear_inputs(traced.graph_module, traced.weights, runs, replace_weight=halve)
+    assert calls == [(name, 22) for name in linear_weights[:-1]]
+    halved = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in halved.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.mul_(0.5)
+    expected = _hf_linear_inputs(halved, runs)
+    assert set(stats) == set(expected)
+    for name, rows in expected.items():
+        rows = torch.cat(rows)
+        torch.testing.assert_close(stats[name].gram, rows.T @ rows, rtol=1e-4, atol=1e-4 * float(rows.abs().max()))
+    assert all(torch.equal(traced.weights[name], before[name]) for name in linear_weights)  # only the run's copy

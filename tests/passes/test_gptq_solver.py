@@ -88,11 +88,12 @@ def test_the_update_follows_the_definition(act_order):
     assert quantized.origin == "gptq"
 
 
-@pytest.mark.parametrize(("act_order", "group_size"), [(False, 32), (True, 32), (False, 48)])
-def test_lower_output_error_than_rtn_on_its_calibration_inputs(act_order, group_size):
+@pytest.mark.parametrize("seed", [1, 7, 11])
+@pytest.mark.parametrize(("act_order", "group_size"), [(False, 32), (True, 32), (False, 48), (True, 48)])
+def test_lower_output_error_than_rtn_on_its_calibration_inputs(act_order, group_size, seed):
     """K = 160 is not a multiple of 48: the last group is shorter."""
-    inputs = _correlated_inputs(1024, 160, seed=1)
-    weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(2)) * 0.05
+    inputs = _correlated_inputs(1024, 160, seed=seed)
+    weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(seed + 1)) * 0.05
     reference = inputs @ weight.T
     quantized, report = gptq_quantize(weight, _hessian(inputs), group_size, act_order=act_order)
     gptq_error = (inputs @ quantized.dequantize().T - reference).pow(2).mean()
@@ -111,3 +112,18 @@ def test_never_activated_columns_are_zeroed_and_the_rest_solved():
     # A zeroed column still lies inside its group's range, so it comes back within half a step of 0.
     steps = quantized.scales.float().repeat_interleave(16, dim=1)
     assert (dequantized[:, [3, 17]].abs() <= steps[:, [3, 17]] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("group_size", [16, 24])
+def test_a_diagonal_hessian_gives_rtn_exactly(act_order, group_size):
+    """Uncorrelated inputs (H diagonal, damped or not) make every update ``Hinv[k, j] / Hinv[k, k]`` zero, so
+    no error is fed forward and each group's range is its original weight's: GPTQ is RTN, level for level
+    (48 columns: with groups of 24 the blocks of 32 columns end inside a group)."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(10, 48, generator=generator)
+    hessian = torch.diag(torch.rand(48, generator=generator) * 4 + 0.5)
+    quantized, _ = gptq_quantize(weight, hessian, group_size, act_order=act_order, block_columns=32)
+    rtn = quantize_w4(weight, group_size)
+    assert torch.equal(quantized.qweight, rtn.qweight)
+    assert torch.equal(quantized.scales, rtn.scales) and torch.equal(quantized.offsets, rtn.offsets)
