@@ -2,7 +2,7 @@
 
 For a linear ``y = x W^T`` (W [N, K]) and calibration inputs X [n, K], GPTQ minimizes
 ``||X W^T - X Q^T||^2`` over the quantized Q, column by column, using the Hessian of that
-error, ``H = 2 X^T X / n`` (accumulated by HessianAccumulator):
+error, ``H = 2 X^T X / n`` (``octavo.ir.linear_input_stats.LinearInputStats.hessian``):
 
 1. Columns whose input was always zero (``H[k, k] == 0``) get ``H[k, k] = 1`` and ``W[:, k] = 0``.
 2. Damping: ``H += damping * mean(diag(H)) * I`` (doubled up to 10 times while H is not
@@ -43,22 +43,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_DAMPING = 0.01
 DEFAULT_BLOCK_COLUMNS = 128
 _MAX_DAMPING_RETRIES = 10
-
-
-class HessianAccumulator:
-    """``H = 2 X^T X / n`` over every row x of the inputs added so far (float32, [K, K])."""
-
-    def __init__(self, in_features: int):
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32)
-        self.rows = 0
-
-    def add(self, inputs: Tensor) -> None:
-        """Add inputs [..., K] (any leading dims; every row is one sample)."""
-        rows = inputs.reshape(-1, inputs.shape[-1]).float()
-        total = self.rows + rows.shape[0]
-        self.hessian.mul_(self.rows / total)
-        self.hessian.addmm_(rows.T, rows, alpha=2.0 / total)
-        self.rows = total
 
 
 def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: float = DEFAULT_DAMPING,

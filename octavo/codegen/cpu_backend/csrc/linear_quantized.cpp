@@ -32,19 +32,6 @@ constexpr int64_t kGemvRows = 8;
 constexpr int64_t kTileColumns = 128;      // output columns (weight rows) dequantized per GEMM tile
 constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes a GEMV task reads at least (small layers: one thread)
 
-// kLanes int8 values widened to float, in registers.
-inline Vec load_int8(const int8_t* src) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
-#else
-  __at_align__ float values[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) values[i] = static_cast<float>(src[i]);
-  return Vec::loadu(values);
-#endif
-}
-
 // The kLanes 4-bit values of kLanes / 2 bytes (low nibble first) widened to float, in registers.
 inline Vec load_nibbles(const uint8_t* src) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -81,7 +68,7 @@ struct Int8Weight {
 
   float scale(int64_t n, int64_t g) const { return scales[n * groups + g]; }
   float offset(int64_t, int64_t) const { return 0.f; }
-  Vec values(int64_t n, int64_t k, const Vec& s, const Vec&) const { return load_int8(q + n * K + k) * s; }
+  Vec values(int64_t n, int64_t k, const Vec& s, const Vec&) const { return load_widened(q + n * K + k) * s; }
   float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
   int64_t row_bytes() const { return K; }
 };
