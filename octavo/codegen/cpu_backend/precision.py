@@ -4,8 +4,8 @@ bfloat16 is fast where the CPU multiplies it natively: AMX (AMX-BF16) and AVX512
 VDPBF16PS dot product). Measured on an AMD Zen 5 with AVX512_BF16 and no AMX (2 threads, torch 2.13,
 oneDNN on prepacked weights, SmolLM2's linear shapes): a bfloat16 linear runs 84 vs 34 GFLOP/s at
 m=1 (576x3072) and 830-890 vs 165-190 GFLOP/s at m=64..256; the whole bfloat16 SmolLM2 decodes one
-sequence in 11.8 ms per step against 21.5 ms in float32 (half the weight bytes) and serves 64 requests
-at 351 against 264 output tok/s. AVX2-only CPUs emulate bfloat16 (~7x slower than float32 measured on
+sequence in 11.2-12.2 ms per token against 14.3-15.2 ms in float32 (half the weight bytes) and serves
+64 requests at 463 against 300 output tok/s. AVX2-only CPUs emulate bfloat16 (~7x slower than float32 measured on
 an AMD AVX2 machine), so there auto picks float32. fp16 compute is fast only with AMX-FP16.
 
 A quantized config (--quant) computes in float32 unless AMX is present: its linears run their own
