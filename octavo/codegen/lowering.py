@@ -63,7 +63,7 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
     dtype, float32 when not given); the cpu backend's w8 and w4 linears
     call its own kernels.
     """
-    if backend in ("torch", "cpu"):  # the cpu backend runs the torch backend's quantized linears, but for its own
+    if backend in ("torch", "cpu"):  # cpu packs like torch, except the layouts it has its own kernels for
         from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
 
         pack_quantized_linears(graph_module, activation_dtype, native_kernels=native_quantized_kernels(backend))
