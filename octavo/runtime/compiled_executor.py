@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -177,8 +178,10 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
     # messages only: the graph's nodes come from the artifact, not from Python source worth pointing at.
     previous = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
+    probe = probe_vector_isa_in_background()
     try:
         program = export_graph(eager, signature)
+        probe.join()
         path.parent.mkdir(parents=True, exist_ok=True)
         # Inductor freezes the graph (folds the weights in, prepacks them for oneDNN) only without autograd.
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as scratch, torch.no_grad():
@@ -202,6 +205,28 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
         raise CompilationUnavailableError(f"compiling the graph failed: {type(error).__name__}: {error}") from error
     finally:
         torch.fx.config.do_not_emit_stack_traces = previous
+
+
+def probe_vector_isa_in_background() -> threading.Thread:
+    """Start Inductor's probe of this machine's vector ISAs on another thread and return the thread.
+
+    Before it generates code, Inductor checks each vector ISA the CPU reports by compiling and
+    loading a test program that includes ATen's vector headers: about 20 s of g++ on a machine
+    whose Inductor cache has never seen them (cached afterwards). The export before it runs Python
+    on one core, so the probe's compiler processes overlap it on another. A probe that fails here
+    changes nothing: Inductor probes again, in the calling thread, when it needs the answer.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    def probe() -> None:
+        try:
+            cpu_vec_isa.pick_vec_isa()
+        except Exception as error:  # the compile probes again and reports what matters
+            logger.debug("vector ISA probe failed: %s", error)
+
+    thread = threading.Thread(target=probe, name="octavo-vector-isa-probe", daemon=True)
+    thread.start()
+    return thread
 
 
 def _extract_library(archive: Path, directory: Path) -> None:
