@@ -149,6 +149,20 @@ def dequantize_w4(qweight: Tensor, scales: Tensor, offsets: Tensor, group_size: 
     return scaled + expand_groups(offsets, group_size, in_features)
 
 
+def gather_rows_w8(qweight: Tensor, scales: Tensor, indices: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
+    """Rows `indices` of a w8 table [V, H], dequantized in float32 and rounded to `dtype`: [*indices.shape, H]."""
+    flat = indices.reshape(-1)
+    return dequantize_w8(qweight[flat], scales[flat], group_size).to(dtype).reshape(*indices.shape, -1)
+
+
+def gather_rows_w4(qweight: Tensor, scales: Tensor, offsets: Tensor, indices: Tensor, group_size: int,
+                   dtype: torch.dtype) -> Tensor:
+    """Rows `indices` of a w4 table [V, H], dequantized in float32 and rounded to `dtype`: [*indices.shape, H]."""
+    flat = indices.reshape(-1)
+    values = dequantize_w4(qweight[flat], scales[flat], offsets[flat], group_size)
+    return values.to(dtype).reshape(*indices.shape, -1)
+
+
 def dequantize_fp8(qweight: Tensor, scales: Tensor) -> Tensor:
     return qweight.float() * scales.float().unsqueeze(1)
 

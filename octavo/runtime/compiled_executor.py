@@ -46,13 +46,15 @@ from octavo.runtime.executor import GraphExecutor
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 """Bumped whenever what this module compiles changes, so that older packages are not reused."""
 
 LIBRARY, OP_TABLE = "model.so", "model.json"
 
-DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_pointwise")
-"""Pointwise octavo ops whose torch kernels are inlined as ATen for Inductor to fuse (the rest stay opaque)."""
+DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_pointwise",
+                  "embedding_w8", "embedding_w4")
+"""Pointwise octavo ops (and the quantized embedding gathers) whose torch kernels are inlined as ATen for
+Inductor to fuse (the rest stay opaque)."""
 
 # Example sizes of the symbolic dimensions, distinct so that no two dimensions look alike while tracing.
 _EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7}

@@ -52,7 +52,10 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
     query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    owner = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens)
+    # In a decode step token b is sequence b's; repeat_interleave costs more than the rest of the step's
+    # input building together (its parallel kernel), so it is left to steps with several tokens per sequence.
+    owner = (torch.arange(len(scheduled)) if num_tokens == len(scheduled)
+             else torch.repeat_interleave(torch.arange(len(scheduled)), query_lens))
     positions = starts[owner] + torch.arange(num_tokens) - query_start_loc[owner]
     input_ids = torch.tensor(_new_token_ids(scheduled), dtype=torch.int64)
     block_tables = _padded_block_tables(scheduled)

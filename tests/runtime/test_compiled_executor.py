@@ -127,8 +127,9 @@ def test_without_a_compiler_auto_falls_back_to_eager_and_compiled_fails_clearly(
 
 # One artifact per backend: w8 linears with a 4-bit vocabulary on the torch backend (its paged
 # attention), w4 linears with an int8 vocabulary and an int8 KV cache (scale caches written in
-# place) on the cpu backend. Their kernels are opaque ops the compiled library calls back; Inductor
-# compiles only the ops around them, which eager runs as separate torch ops: same greedy tokens.
+# place) on the cpu backend. Their linears are opaque ops the compiled library calls back; Inductor
+# compiles the ops around them and the embedding gathers, which eager runs as separate torch ops:
+# same greedy tokens.
 QUANTIZED = [("torch", {"quant": "w8", "vocab_quant": "w4"}),
              ("cpu", {"quant": "w4", "vocab_quant": "int8", "kv_cache_dtype": "int8"})]
 

@@ -17,6 +17,7 @@ from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
 from octavo.codegen.torch_backend.linear import linear_w16
 from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
 from octavo.codegen.torch_backend.rotary import rotary_embedding
+from octavo.ir.quantized_layout import gather_rows_w4, gather_rows_w8
 
 octavo = torch.ops.octavo
 
@@ -27,9 +28,10 @@ PYTHON_KERNELS = {
     octavo.rotary_embedding.default: rotary_embedding,
     octavo.silu_and_mul.default: silu_and_mul,
     octavo.fused_pointwise.default: fused_pointwise,
-    # The reference ops are the kernels: a gather and a dequantization of the gathered rows.
-    octavo.embedding_w8.default: octavo.embedding_w8.default,
-    octavo.embedding_w4.default: octavo.embedding_w4.default,
+    # The reference ops' own code is the kernel: a gather and a dequantization of the gathered rows (ATen
+    # code, which the compiled executor inlines: a Python op called back from compiled code costs a host hop).
+    octavo.embedding_w8.default: gather_rows_w8,
+    octavo.embedding_w4.default: gather_rows_w4,
     # Quantized linears whose weights are bound get packed kernels at load (weight_packing); a graph run with
     # weights as inputs runs the reference (dequantize, then a float32 matmul).
     octavo.linear_w8.default: octavo.linear_w8.default,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from octavo.ir.quantized_layout import dequantize_fp8, dequantize_w4, dequantize_w8
+from octavo.ir.quantized_layout import dequantize_fp8, dequantize_w4, dequantize_w8, gather_rows_w4, gather_rows_w8
 
 
 @torch.library.custom_op("octavo::linear_w8", mutates_args=())
@@ -76,9 +76,7 @@ def _(x, qweight, scales, bias):
 @torch.library.custom_op("octavo::embedding_w8", mutates_args=())
 def embedding_w8(qweight: Tensor, scales: Tensor, indices: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
     """Embedding lookup in an int8 table (rows are tokens): the w8 layout of linear_w8, [V, H]."""
-    rows = qweight[indices.reshape(-1)]
-    values = dequantize_w8(rows, scales[indices.reshape(-1)], group_size)
-    return values.to(dtype).reshape(*indices.shape, -1)
+    return gather_rows_w8(qweight, scales, indices, group_size, dtype)
 
 
 @embedding_w8.register_fake
@@ -90,9 +88,7 @@ def _(qweight, scales, indices, group_size, dtype):
 def embedding_w4(qweight: Tensor, scales: Tensor, offsets: Tensor, indices: Tensor, group_size: int,
                  dtype: torch.dtype) -> Tensor:
     """Embedding lookup in a 4-bit table (rows are tokens): the w4 layout of linear_w4, [V, H]."""
-    flat = indices.reshape(-1)
-    values = dequantize_w4(qweight[flat], scales[flat], offsets[flat], group_size)
-    return values.to(dtype).reshape(*indices.shape, -1)
+    return gather_rows_w4(qweight, scales, offsets, indices, group_size, dtype)
 
 
 @embedding_w4.register_fake
