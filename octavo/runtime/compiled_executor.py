@@ -115,6 +115,8 @@ class CompiledExecutor:
         self.compile_seconds = 0.0
         if not (self.path / LIBRARY).is_file():
             check_compiler()
+            logger.warning("compiling the graph for this machine (first use of this artifact here, up to a minute "
+                           "for a small model; cached in %s)", self.path.parent)
             start = time.perf_counter()
             compile_package(eager, manifest["signature"], self.path)
             self.compile_seconds = time.perf_counter() - start
