@@ -32,7 +32,9 @@ def decode_batch(dtype: torch.dtype, sequences: int, heads: int, kv_heads: int, 
         used += count
     shape = (num_blocks, block_size, kv_heads, head_dim)
     caches = {name: torch.randn(shape, generator=generator).to(dtype) for name in ("key_cache", "value_cache")}
-    return dict(query=torch.randn(sequences, heads, head_dim, generator=generator),
+    # The query of a model of the cache's dtype: bf16/fp16 values (the op widens them to float itself).
+    query = torch.randn(sequences, heads, head_dim, generator=generator).to(dtype)
+    return dict(query=query,
                 key=torch.randn(sequences, kv_heads, head_dim, generator=generator),
                 value=torch.randn(sequences, kv_heads, head_dim, generator=generator), **caches,
                 slot_mapping=torch.full((sequences,), -1, dtype=torch.int64), block_tables=tables,

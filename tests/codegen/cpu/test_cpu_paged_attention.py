@@ -36,6 +36,9 @@ EDGE_CASES = {
     "block-larger-than-chunk": ([(300, 1), (130, 1), (90, 30)], 128, 4, 2, 64, torch.float32, -1),
     "head-dim-96-decodes-bf16": ([(100, 1), (47, 1), (16, 1)], 16, 6, 2, 96, torch.bfloat16, -1),
     "head-dim-32-decodes-fp16-gqa5": ([(81, 1), (33, 1), (20, 4)], 16, 10, 2, 32, torch.float16, -1),
+    "long-decodes-bf16": ([(300, 1), (200, 1), (129, 1), (64, 1)], 16, 9, 3, 64, torch.bfloat16, -1),
+    "long-decodes-bf16-d128-gqa8": ([(260, 1), (65, 1), (16, 1)], 16, 8, 1, 128, torch.bfloat16, -1),
+    "head-dim-32-decodes-bf16": ([(70, 1), (17, 1), (5, 1)], 16, 4, 2, 32, torch.bfloat16, -1),
 }
 
 
@@ -157,6 +160,23 @@ def test_a_decode_gives_the_same_bits_alone_and_in_any_batch(cpu_kernels):
                      block_tables=batch["block_tables"][row:row + 1], seq_lens=batch["seq_lens"][row:row + 1],
                      query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
         assert torch.equal(torch.ops.octavo_cpu.paged_attention(**alone)[0], together[token])
+
+
+def test_bf16_cache_query_paths_depend_only_on_the_query(cpu_kernels):
+    """With a bf16 cache, a float query whose values are all bf16 numbers may be scored on the stored pairs
+    (dpbf16 where the CPU has it) and any other query by widening: each query's bits depend only on itself,
+    never on which path the other heads of its kv group take, and both match the reference (products of two
+    bf16 are exact in float: the paths differ only in the order of float additions, far inside 1e-5)."""
+    shapes = [(200, 1), (129, 1), (64, 1), (17, 1)]
+    batch = make_batch(shapes, 8, 2, 64, cache_dtype=torch.bfloat16, seed=8)
+    rounded = batch["query"].to(torch.bfloat16).float()
+    mixed, exact = copy_batch(batch), copy_batch(batch)
+    mixed["query"][:, ::2] = rounded[:, ::2]  # every other head of each group is bf16-exact
+    exact["query"] = rounded
+    outputs = {name: assert_matches_reference(b) for name, b in (("mixed", mixed), ("exact", exact),
+                                                                   ("float", batch))}
+    assert torch.equal(outputs["mixed"][:, ::2], outputs["exact"][:, ::2])
+    assert torch.equal(outputs["mixed"][:, 1::2], outputs["float"][:, 1::2])
 
 
 def test_bad_arguments_name_what_is_wrong(cpu_kernels):

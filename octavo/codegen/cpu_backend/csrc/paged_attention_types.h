@@ -47,6 +47,8 @@ struct Scratch {
   std::vector<float> key_scales, value_scales;  // per row of the chunk, for quantized caches
   std::vector<float*> records;
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
+  std::vector<uint16_t> bf16_queries;       // decode queries as bfloat16 bits, for dpbf16 scoring
+  std::vector<const uint16_t*> dot_queries;  // per query: its bfloat16 bits, nullptr where not exact
 };
 
 }  // namespace paged

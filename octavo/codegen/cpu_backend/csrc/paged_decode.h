@@ -1,9 +1,11 @@
 // The decode chunk kernel that reads K and V rows in place from the paged pool: rows widened in registers
 // (float, bfloat16, float16, int8 with per-row scales), kLanes keys scored at once through one transpose-add
-// tree, each row read once for a group of queries, the next rows prefetched.
+// tree, each row read once for a group of queries, the next rows prefetched. bfloat16 rows take the paired
+// loads of paged_decode_bf16.h (values always; keys by dpbf16 where the CPU and the query allow).
 #pragma once
 
 #include "paged_attention_types.h"
+#include "paged_decode_bf16.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -88,6 +90,9 @@ void score_keys(const float* const* queries, const void* const* rows, const floa
 // widened in registers once for all NQ queries.
 template <typename CT, int NV, int NQ>
 void weighted_values(const float* const* weights, const void* const* rows, int64_t n, float* const* out) {
+  if constexpr (std::is_same_v<CT, c10::BFloat16> && kHasBf16Pairs && NV % 2 == 0) {
+    return weighted_values_bf16<NV / 2, NQ>(weights, rows, n, out);
+  }
   Vec acc[NQ][NV];
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < NV; ++v) acc[q][v] = Vec(0.f);
@@ -104,15 +109,38 @@ void weighted_values(const float* const* weights, const void* const* rows, int64
     for (int v = 0; v < NV; ++v) acc[q][v].store(out[q] + v * kLanes);
 }
 
+// Scores of NQ queries (the chunk's queries offset, offset + 1, ...) over its keys (see score_keys). bfloat16
+// rows on a CPU with AVX512_BF16: a query whose bfloat16 form s.dot_queries holds is scored by dpbf16
+// (score_keys_dot_bf16), the others by widening; either way a query's arithmetic depends only on itself.
+template <typename CT, int NV, int NQ>
+void score_group(const Problem& p, int64_t n, const float* const* queries, float* const* scores,
+                 const void* const* prefetch, Scratch& s, int64_t offset) {
+  if constexpr (std::is_same_v<CT, c10::BFloat16> && kHasDotBf16 && NV % 2 == 0) {
+    if (!s.dot_queries.empty()) {
+      const uint16_t* const* dot = s.dot_queries.data() + offset;
+      for (int q = 0; q < NQ; ++q) {
+        const void* const* ahead = q == 0 ? prefetch : nullptr;
+        if (dot[q] != nullptr) {
+          score_keys_dot_bf16<NV / 2>(dot[q], s.key_sources.data(), n, p.scale, scores[q], ahead,
+                                      NV * kLanes * static_cast<int64_t>(sizeof(CT)));
+        } else {
+          score_keys<CT, NV, 1>(queries + q, s.key_sources.data(), nullptr, n, p.scale, scores + q, ahead);
+        }
+      }
+      return;
+    }
+  }
+  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores, prefetch);
+}
+
 // Partials (see chunk_partials) of NQ queries over the chunk whose rows s.key_sources / s.value_sources hold.
 template <typename CT, int NV, int NQ>
 void query_group_partials(const Problem& p, int64_t n, const float* const* queries, float* const* records,
-                          bool pull_values, Scratch& s) {
+                          bool pull_values, Scratch& s, int64_t offset) {
   const int64_t pvd = p.padded_value_dim, stride = round_up(n, kLanes);
   float* scores[NQ];
   for (int q = 0; q < NQ; ++q) scores[q] = s.scores.data() + q * stride;
-  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores,
-                         pull_values ? s.value_sources.data() : nullptr);
+  score_group<CT, NV, NQ>(p, n, queries, scores, pull_values ? s.value_sources.data() : nullptr, s, offset);
   for (int q = 0; q < NQ; ++q) {
     const float m = row_max(scores[q], n);
     records[q][pvd] = m;
@@ -140,16 +168,17 @@ void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head
     row_scales(p.keys, blocks, p.block_size, begin, n, head, s.key_scales);
     row_scales(p.values, blocks, p.block_size, begin, n, head, s.value_scales);
   }
+  if constexpr (std::is_same_v<CT, c10::BFloat16>) prepare_dot_queries<NV>(queries, nq, p.head_dim, s);
   // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
   for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
   s.scores.resize(kGroup * round_up(n, kLanes));
   for (int64_t q = 0; q < nq; q += kGroup) {
     const bool first = q == 0;  // the first group pulls K and V from memory, the others find them in L1
     switch (std::min<int64_t>(kGroup, nq - q)) {
-      case 1: query_group_partials<CT, NV, 1>(p, n, queries + q, records + q, first, s); break;
-      case 2: if constexpr (kGroup >= 2) query_group_partials<CT, NV, 2>(p, n, queries + q, records + q, first, s); break;
-      case 3: if constexpr (kGroup >= 3) query_group_partials<CT, NV, 3>(p, n, queries + q, records + q, first, s); break;
-      default: if constexpr (kGroup >= 4) query_group_partials<CT, NV, 4>(p, n, queries + q, records + q, first, s); break;
+      case 1: query_group_partials<CT, NV, 1>(p, n, queries + q, records + q, first, s, q); break;
+      case 2: if constexpr (kGroup >= 2) query_group_partials<CT, NV, 2>(p, n, queries + q, records + q, first, s, q); break;
+      case 3: if constexpr (kGroup >= 3) query_group_partials<CT, NV, 3>(p, n, queries + q, records + q, first, s, q); break;
+      default: if constexpr (kGroup >= 4) query_group_partials<CT, NV, 4>(p, n, queries + q, records + q, first, s, q); break;
     }
   }
 }
