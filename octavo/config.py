@@ -12,7 +12,7 @@ from octavo.errors import OctavoError
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
-QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "fp8")
+QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 VOCAB_QUANT = ("int8", "w4", "none")
 
@@ -78,8 +78,8 @@ class CompileConfig:
         if self.vocab_quant not in VOCAB_QUANT:
             raise OctavoError(f"unknown vocab quantization {self.vocab_quant!r}: choose one of "
                               f"{', '.join(VOCAB_QUANT)}")
-        if self.gptq_act_order and self.quant != "w4-gptq":
-            raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq, not {self.quant}")
+        if self.gptq_act_order and self.quant not in ("w4-gptq", "w4-awq-gptq"):
+            raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not {self.quant}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
 

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--quant", choices=QUANT_SCHEMES, default="none",
                         help="weight quantization: w8 (int8 per channel), w4 (4-bit groups, RTN), fp8 (e4m3 per "
-                             "channel); w4-awq / w4-gptq calibrate (default: none)")
+                             "channel); w4-awq / w4-gptq calibrate; w4-awq-gptq: AWQ's scales, then GPTQ on the "
+                             "scaled weights (default: none)")
     parser.add_argument("--group-size", type=int, default=None, help="w4/w8 group size along K (default: scheme's)")
     parser.add_argument("--vocab-quant", choices=VOCAB_QUANT, default="int8",
                         help="how --quant stores the embedding and lm_head: int8 per row (default), w4, or none")
@@ -39,7 +40,8 @@ def add_parser(subparsers) -> None:
                         help="calibration text (plain text or JSONL with a \"text\" field) for calibrated schemes; "
                              "default: the built-in text")
     parser.add_argument("--gptq-act-order", action="store_true",
-                        help="w4-gptq: round columns by decreasing Hessian diagonal (group scales fixed up front)")
+                        help="w4-gptq, w4-awq-gptq: round columns by decreasing Hessian diagonal (group scales fixed "
+                             "up front)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     parser.add_argument("--warmup", action="store_true",
                         help="then compile the graph for this machine into the cache, as `octavo warmup` does")

@@ -188,6 +188,13 @@ def _gptq(config: CompileConfig) -> QuantScheme:
                       act_order=config.gptq_act_order, **vocab_options(config))
 
 
+def _awq_gptq(config: CompileConfig) -> QuantScheme:
+    from octavo.passes.quantize_awq_gptq import AWQGPTQScheme
+
+    return AWQGPTQScheme("w4-awq-gptq", W4, config.group_size or DEFAULT_W4_GROUP_SIZE, calibrated=True,
+                         act_order=config.gptq_act_order, **vocab_options(config))
+
+
 def register_scheme(name: str, factory: SchemeFactory) -> None:
     """Make ``--quant name`` available (see the module docstring)."""
     SCHEMES[name] = factory
@@ -196,6 +203,7 @@ def register_scheme(name: str, factory: SchemeFactory) -> None:
 
 register_scheme("w4-awq", _awq)
 register_scheme("w4-gptq", _gptq)
+register_scheme("w4-awq-gptq", _awq_gptq)
 
 
 def scheme_for(config: CompileConfig) -> QuantScheme | None:

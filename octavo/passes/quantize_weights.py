@@ -1,6 +1,6 @@
 """quantize_weights: linears (and the embedding / lm_head) over float weights -> octavo quantized ops.
 
-Runs with ``--quant w8|w4|fp8|w4-awq|w4-gptq`` (see quant_schemes for what a scheme decides), after
+Runs with ``--quant w8|w4|fp8|w4-awq|w4-gptq|w4-awq-gptq`` (see quant_schemes for what a scheme decides), after
 fuse_qkv and fuse_gate_up, so a fused qkv or gate_up linear is quantized as one weight.
 
 For every weight placeholder that only ``aten.linear`` (as its weight) and

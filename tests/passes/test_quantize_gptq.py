@@ -52,7 +52,7 @@ def test_act_order_is_recorded():
 
 
 def test_act_order_is_refused_for_other_schemes():
-    with pytest.raises(OctavoError, match="--gptq-act-order applies to --quant w4-gptq, not w4-awq"):
+    with pytest.raises(OctavoError, match="--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not w4-awq"):
         CompileConfig(quant="w4-awq", gptq_act_order=True)
 
 

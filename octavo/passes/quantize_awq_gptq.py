@@ -1,0 +1,53 @@
+"""The w4-awq-gptq scheme: AWQ's scales folded upstream, then GPTQ rounds the scaled weights.
+
+A known combination of the two papers (AWQ's authors list it as compatible with GPTQ; several
+quantization toolkits run it): ``prepare`` is w4-awq's (the same fold sites, the same
+``s = mean|x| ** alpha`` search, the same folds, see quantize_awq), so the graph computes the
+float function with weights ``W diag(s)`` reading inputs ``x / s``. ``quantize_linear`` then
+solves each scaled weight by GPTQ (gptq_solver.gptq_quantize, 1% damping, act-order when
+``--gptq-act-order``) on the Hessian of its scaled input,
+``H_s = diag(1/s) H diag(1/s)`` with ``H = 2 X^T X / n`` of the unscaled input: exactly the
+Hessian of the inputs the folded linear reads, so GPTQ minimizes that linear's output error as
+it does for w4-gptq. Values' origin in the manifest: "awq-gptq".
+
+Differs from w4-gptq in where the statistics come from: every linear's Hessian is the float
+model's (the one AWQ's search used), not the sequential one of a model whose earlier linears
+are already quantized; AWQ's clipping search is not run (GPTQ chooses the rounding itself and
+its min/max group ranges). A linear without statistics, or one whose fold site was left alone,
+is solved on its unscaled Hessian (none at all: RTN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from octavo.ir.quantized_layout import QuantizedWeight
+from octavo.passes.gptq_solver import DEFAULT_DAMPING, gptq_quantize
+from octavo.passes.quant_schemes import weight_input_stats
+from octavo.passes.quantize_awq import AWQScheme
+from octavo.passes.quantize_rtn import quantize_w4
+
+
+@dataclass
+class AWQGPTQScheme(AWQScheme):
+    """See the module docstring."""
+
+    act_order: bool = False
+
+    def quantize_linear(self, name: str, weight: Tensor, ctx) -> QuantizedWeight:
+        stats = weight_input_stats(name, ctx)
+        if stats is None or not stats.rows:
+            return quantize_w4(weight, self.group_size)
+        hessian = stats.hessian()
+        if name in self.input_scales:
+            inverse = 1.0 / self.input_scales[name]
+            hessian = hessian * inverse.unsqueeze(0) * inverse.unsqueeze(1)
+        quantized, _ = gptq_quantize(weight, hessian, self.group_size, act_order=self.act_order)
+        quantized.origin = "awq-gptq"
+        return quantized
+
+    def describe(self) -> dict:
+        return {**super().describe(), "gptq": {"act_order": self.act_order, "damping": DEFAULT_DAMPING,
+                                                "hessian": "float model, scaled by AWQ's 1/s"}}
