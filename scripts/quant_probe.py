@@ -1,0 +1,243 @@
+"""Probe w4 schemes fast: fake-quantize SmolLM2 layer by layer in HF eager, score perplexity like `octavo eval`.
+
+    python scripts/quant_probe.py --method {fp32,rtn,awq,gptq,awqgptq} --gs 64 --tokens 4096 --threads 1 \
+        [--act-order] [--damp-mode mean|median|diag] [--sink keep|drop|cap] [--float-stats] [--only REGEX]
+
+A measuring tool for choosing what to build, not the compiler's path: the float HF model (the
+dequantized GGUF), calibrated on the same runs as the compiler (the built-in calibration text, up to
+32 runs of 512 tokens), each layer's linears replaced by their dequantized w4 values in order
+(q, k, v; o; gate, up; down), sequential statistics unless --float-stats. AWQ and GPTQ call
+octavo's own searches and solver (awq_search, gptq_solver); folds are applied to the HF modules.
+The embedding and lm_head stay float (the artifacts store them int8) and activations are
+float32, so its perplexities sit near, not on, the artifacts'. Windows as octavo.eval.perplexity
+(512, stride 256). --sink cap weighs each calibration row in the Hessian by
+min(1, 16 median|x|^2 / |x|^2) (rows far larger than the rest, the attention sink's, count as
+16 typical rows); drop leaves position 0 out. --only REGEX: RTN of the matching linears
+(names under model.layers, e.g. "down_proj" or "^(27|28|29)\\.") and nothing else.
+"""
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+
+import torch
+
+from octavo.eval.corpus import calibration_text, read_text
+from octavo.eval.perplexity import plan_windows, tokenize_text
+from octavo.frontend.sources import load_model
+from octavo.passes.awq_search import clip_groups, gram_blocks, search_clip, search_scales
+from octavo.passes.gptq_solver import gptq_quantize
+from octavo.passes.quant_schemes import Calibration
+from octavo.passes.quantize_rtn import fake_quantize_w4
+
+p = argparse.ArgumentParser()
+p.add_argument("--method", default="fp32")  # fp32 rtn awq gptq awqgptq
+p.add_argument("--gs", type=int, default=64)
+p.add_argument("--tokens", type=int, default=4096)
+p.add_argument("--damp", type=float, default=0.01)
+p.add_argument("--damp-mode", default="mean")  # mean | diag | median
+p.add_argument("--act-order", action="store_true")
+p.add_argument("--sink", default="keep")  # keep | drop | cap
+p.add_argument("--clip", action="store_true", help="awq clip search before gptq")
+p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
+p.add_argument("--runs", type=int, default=32)
+p.add_argument("--threads", type=int, default=1)
+p.add_argument("--float-stats", action="store_true", help="stats from the float model (not sequential)")
+args = p.parse_args()
+torch.set_num_threads(args.threads)
+torch.manual_seed(0)
+
+src = load_model("smollm2-135m")
+model = src.load_module("float32")
+tok = src.tokenizer
+layers = model.model.layers
+
+
+class Stats:
+    def __init__(self, k):
+        self.gram = torch.zeros(k, k)
+        self.abs_sum = torch.zeros(k)
+        self.rows = 0
+
+    def add(self, x):  # x [B, T, K]
+        x = x.detach().float()
+        w = torch.ones(x.shape[:2])
+        if args.sink == "drop":
+            w[:, 0] = 0
+        elif args.sink == "cap":
+            norms = x.pow(2).sum(-1)
+            med = norms[:, 1:].median()
+            w = torch.clamp(med * 16 / norms, max=1.0)
+        xr = x.reshape(-1, x.shape[-1])
+        wr = w.reshape(-1, 1)
+        self.gram.addmm_((xr * wr).T, xr)
+        self.abs_sum += (xr.abs() * wr).sum(0)
+        self.rows += int(wr.sum())
+
+    def hessian(self):
+        return self.gram * 2 / self.rows
+
+
+def damped_hessian(h):
+    if args.damp_mode == "mean":
+        return h, args.damp
+    d = torch.diagonal(h)
+    if args.damp_mode == "diag":
+        h = h + torch.diag(args.damp * d)
+        return h, 1e-6
+    if args.damp_mode == "median":
+        h = h + torch.eye(h.shape[0]) * args.damp * d.median()
+        return h, 1e-6
+    raise ValueError
+
+
+def quant(weight, stats, scales=None):
+    """fake quantized weight (float) for `weight` whose input had `stats` (already in scaled space)."""
+    if args.method == "rtn":
+        return fake_quantize_w4(weight, args.gs)
+    gram = stats.gram / stats.rows
+    if scales is not None:
+        inv = 1.0 / scales
+        gram = gram * inv[None] * inv[:, None]
+    if args.method == "awq" or args.clip:
+        bound = search_clip(weight, gram_blocks(gram, args.gs), args.gs)
+        weight = clip_groups(weight, bound, args.gs)
+        if args.method == "awq":
+            return fake_quantize_w4(weight, args.gs)
+    h, damp = damped_hessian(2 * gram)
+    q, _ = gptq_quantize(weight, h, args.gs, damping=damp, act_order=args.act_order)
+    return q.dequantize().float()
+
+
+def awq_fold(linears, stats, upstream):
+    if args.method not in ("awq", "awqgptq"):
+        return None
+    ws = [linear.weight.data for linear in linears]
+    s, _, _ = search_scales(ws, stats.gram / stats.rows, stats.abs_sum / stats.rows, args.gs)
+    for linear in linears:
+        linear.weight.data = linear.weight.data * s
+    upstream(s)
+    return s
+
+
+def stats_of(x):
+    stats = Stats(x.shape[-1])
+    stats.add(x)
+    return stats
+
+
+def float_stats(layer, hidden, pe):
+    at, mlp = layer.self_attn, layer.mlp
+    out = []
+    a = layer.input_layernorm(hidden)
+    out.append(stats_of(a))
+    cap = {}
+    hk = at.o_proj.register_forward_pre_hook(lambda m, a: cap.__setitem__("x", a[0]))
+    at(hidden_states=a, position_embeddings=pe, attention_mask=None)
+    hk.remove()
+    out.append(stats_of(cap["x"]))
+    h = hidden + at.o_proj(cap["x"])
+    m = layer.post_attention_layernorm(h)
+    out.append(stats_of(m))
+    dx = mlp.act_fn(mlp.gate_proj(m)) * mlp.up_proj(m)
+    out.append(stats_of(dx))
+    return out, h + mlp.down_proj(dx)
+
+
+def calibrate():
+    cal = Calibration("default", "", list(tok.encode(calibration_text("default"), add_special_tokens=False)))
+    runs = cal.samples(512, args.runs)
+    ids = torch.tensor(runs)
+    pos = torch.arange(512).unsqueeze(0).expand(len(runs), -1)
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+        pe = model.model.rotary_emb(hidden, pos)
+        hidden_f = hidden
+        for i, layer in enumerate(layers):
+            t0 = time.time()
+            if args.float_stats:
+                fst, hidden_f = float_stats(copy.deepcopy(layer), hidden_f, pe)
+            at = layer.self_attn
+            mlp = layer.mlp
+            # qkv
+            st = Stats(hidden.shape[-1])
+            st.add(layer.input_layernorm(hidden))
+            if args.float_stats:
+                st = fst[0]
+            qkv = [at.q_proj, at.k_proj, at.v_proj]
+
+            def up_norm(s, norm=layer.input_layernorm):
+                norm.weight.data = norm.weight.data / s
+            s = awq_fold(qkv, st, up_norm)
+            for linear in qkv:
+                linear.weight.data = quant(linear.weight.data, st, s)
+            # o_proj
+            cap = {}
+            hk = at.o_proj.register_forward_pre_hook(lambda m, a, cap=cap: cap.__setitem__("x", a[0]))
+            at(hidden_states=layer.input_layernorm(hidden), position_embeddings=pe, attention_mask=None)
+            hk.remove()
+            st = Stats(cap["x"].shape[-1])
+            st.add(cap["x"])
+            if args.float_stats:
+                st = fst[1]
+            at.o_proj.weight.data = quant(at.o_proj.weight.data, st)
+            h = hidden + at.o_proj(cap["x"])
+            # gate/up
+            st = Stats(h.shape[-1])
+            st.add(layer.post_attention_layernorm(h))
+            if args.float_stats:
+                st = fst[2]
+            gu = [mlp.gate_proj, mlp.up_proj]
+
+            def up_norm2(s, norm=layer.post_attention_layernorm):
+                norm.weight.data = norm.weight.data / s
+            s = awq_fold(gu, st, up_norm2)
+            for linear in gu:
+                linear.weight.data = quant(linear.weight.data, st, s)
+            m = layer.post_attention_layernorm(h)
+            dx = mlp.act_fn(mlp.gate_proj(m)) * mlp.up_proj(m)
+            st = Stats(dx.shape[-1])
+            st.add(dx)
+            if args.float_stats:
+                st = fst[3]
+
+            def up_up(s, up=mlp.up_proj):
+                up.weight.data = up.weight.data / s.unsqueeze(1)
+            s = awq_fold([mlp.down_proj], st, up_up)
+            if s is not None:
+                dx = dx / s
+            mlp.down_proj.weight.data = quant(mlp.down_proj.weight.data, st, s)
+            hidden = h + mlp.down_proj(dx)
+            print(f"layer {i} {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def evaluate():
+    ids = tokenize_text(tok, read_text("default"), args.tokens)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for w in plan_windows(len(ids)):
+            x = torch.tensor(ids[w.start:w.end]).unsqueeze(0)
+            logits = model(input_ids=x, use_cache=False).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1)
+            tgt = x[0, 1:]
+            lp = lp.gather(1, tgt.unsqueeze(1))[:, 0]
+            total += float(lp[-w.scored:].sum())
+            n += w.scored
+    return math.exp(-total / n), n
+
+
+if args.only:
+    import re
+    with torch.no_grad():
+        for n, mod in model.model.layers.named_modules():
+            if isinstance(mod, torch.nn.Linear) and re.search(args.only, n):
+                mod.weight.data = fake_quantize_w4(mod.weight.data, args.gs)
+elif args.method != "fp32":
+    t0 = time.time()
+    calibrate()
+    print(f"calibrated in {time.time() - t0:.0f}s", file=sys.stderr)
+t0 = time.time()
+ppl, n = evaluate()
+print(json.dumps({**vars(args), "ppl": round(ppl, 4), "scored": n, "eval_s": round(time.time() - t0)}), flush=True)
