@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+from torch.fx import GraphModule
+from tqdm.auto import tqdm
 
 from octavo.ir.quantized_layout import QuantizedWeight
 from octavo.passes.gptq_solver import DEFAULT_DAMPING, gptq_quantize
@@ -35,6 +38,14 @@ class AWQGPTQScheme(AWQScheme):
     """See the module docstring."""
 
     act_order: bool = False
+    progress: object = None
+
+    def prepare(self, graph_module: GraphModule, ctx) -> None:
+        """AWQ's folds, then a progress bar over the linears that have statistics (the GPTQ solves)."""
+        super().prepare(graph_module, ctx)
+        linears = graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+        total = sum(weight_input_stats(node.args[1].name, ctx) is not None for node in linears)
+        self.progress = tqdm(total=total, desc="gptq", unit="linear", disable=not ctx.config.progress)
 
     def quantize_linear(self, name: str, weight: Tensor, ctx) -> QuantizedWeight:
         stats = weight_input_stats(name, ctx)
@@ -46,8 +57,12 @@ class AWQGPTQScheme(AWQScheme):
             hessian = hessian * inverse.unsqueeze(0) * inverse.unsqueeze(1)
         quantized, _ = gptq_quantize(weight, hessian, self.group_size, act_order=self.act_order)
         quantized.origin = "awq-gptq"
+        if self.progress is not None:
+            self.progress.update()
         return quantized
 
     def describe(self) -> dict:
+        if self.progress is not None:
+            self.progress.close()
         return {**super().describe(), "gptq": {"act_order": self.act_order, "damping": DEFAULT_DAMPING,
                                                 "hessian": "float model, scaled by AWQ's 1/s"}}
