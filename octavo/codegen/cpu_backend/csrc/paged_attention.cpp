@@ -10,9 +10,10 @@
 // each query is the same code in the same order either way, so results are bitwise equal with or without
 // sharing, and equal whatever else is in the batch.
 // Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
-// softmax, one work item per (sequence, kv head, tile of query positions).
+// softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h).
 // All work items of a call share one pool of threads, handed out one at a time.
 #include "paged_decode.h"
+#include "paged_prefill.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -32,21 +33,6 @@ namespace octavo_cpu {
 namespace {
 
 using namespace paged;  // the kernels' shapes and the in-place decode kernel
-
-// Context position `position` of kv head `head` as floats in dst[0:dim] (dequantized); dst[dim:] untouched.
-template <typename CT>
-inline void read_row(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t position, int64_t head,
-                     int64_t dim, int64_t padded, float* dst) {
-  const int64_t block = blocks[position / block_size], offset = position % block_size;
-  const CT* src = static_cast<const CT*>(pool.data) + block * pool.block_stride + offset * pool.token_stride +
-                  head * pool.head_stride;
-  widen(src, dim, dst);
-  if constexpr (kQuantized<CT>) {
-    scale_row(pool.scales[block * pool.scale_block_stride + offset * pool.scale_token_stride +
-                          head * pool.scale_head_stride],
-              dst, padded);
-  }
-}
 
 // Float rows (length `padded`, zero past `dim`) of positions [begin, begin + n) of one kv head: pointers into
 // the pool itself when it already holds such rows (float32, dim a multiple of the vector width), else into
@@ -103,107 +89,6 @@ void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
   if (const ChunkKernel<CT> kernel = direct_kernel<CT>(p)) return kernel(p, blocks, head, begin, end, queries, records, nq, s);
   chunk_partials_tiled<CT>(p, blocks, head, begin, end, queries, records, nq, s);
-}
-
-// Scores of rows [0, rows) against one transposed key tile [dim][kKeyTile]: scores[r][j] = scale * q_r . k_j,
-// kRowBlock rows at a time so that each key vector loaded serves several rows.
-inline void tile_scores(const float* const* queries, int64_t rows, const float* key_tile, int64_t dim, float scale,
-                        float* scores) {
-  constexpr int64_t kRowBlock = 4, kVectors = kKeyTile / kLanes;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, rows - r0);
-    Vec acc[kRowBlock][kVectors];
-    for (auto& row : acc)
-      for (auto& a : row) a = Vec(0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      Vec keys[kVectors];
-      for (int64_t v = 0; v < kVectors; ++v) keys[v] = Vec::loadu(key_tile + d * kKeyTile + v * kLanes);
-      for (int64_t b = 0; b < block; ++b) {
-        const Vec qd(queries[r0 + b][d]);
-        for (int64_t v = 0; v < kVectors; ++v) acc[b][v] = at::vec::fmadd(qd, keys[v], acc[b][v]);
-      }
-    }
-    for (int64_t b = 0; b < block; ++b)
-      for (int64_t v = 0; v < kVectors; ++v) (acc[b][v] * Vec(scale)).store(scores + (r0 + b) * kKeyTile + v * kLanes);
-  }
-}
-
-// out_r = out_r * factors[r] + sum_j weights[r][j] * value_tile[j] for rows [0, rows), j in [0, n): one column
-// vector at a time, kRowBlock rows sharing each value vector loaded.
-inline void tile_accumulate(const float* weights, const float* factors, int64_t rows, const float* value_tile,
-                            int64_t n, int64_t length, float* out) {
-  constexpr int64_t kRowBlock = 4;
-  for (int64_t i = 0; i < length; i += kLanes) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t block = std::min(kRowBlock, rows - r0);
-      Vec acc[kRowBlock];
-      for (int64_t b = 0; b < block; ++b) acc[b] = Vec::loadu(out + (r0 + b) * length + i) * Vec(factors[r0 + b]);
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec value = Vec::loadu(value_tile + j * length + i);
-        for (int64_t b = 0; b < block; ++b) {
-          acc[b] = at::vec::fmadd(Vec(weights[(r0 + b) * kKeyTile + j]), value, acc[b]);
-        }
-      }
-      for (int64_t b = 0; b < block; ++b) acc[b].store(out + (r0 + b) * length + i);
-    }
-  }
-}
-
-// Causal attention of positions [first, first + count) of one sequence (its tokens start at query row
-// `token`) over its context, for the `group` query heads of kv head `head`: flash attention over tiles of
-// kKeyTile keys with an online softmax per row (row = position x head of the group).
-template <typename CT>
-void prefill_tile(const Problem& p, const int32_t* blocks, int64_t head, int64_t token, int64_t first, int64_t count,
-                  Scratch& s) {
-  const int64_t rows = count * p.group, pvd = p.padded_value_dim;
-  s.key_tile.assign(p.padded_dim * kKeyTile, 0.f);  // transposed: [dim][key]
-  s.value_tile.assign(kKeyTile * pvd, 0.f);
-  s.key_row.assign(p.padded_dim, 0.f);
-  s.scores.assign(rows * kKeyTile, 0.f);
-  s.row_max.assign(rows, kNegInf);
-  s.row_sum.assign(rows, 0.f);
-  s.factors.assign(rows, 1.f);
-  s.accumulators.assign(rows * pvd, 0.f);
-  s.queries.resize(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    s.queries[r] = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
-  }
-  const int64_t last = first + count - 1;
-  const int64_t start = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
-  for (int64_t tile = start; tile <= last; tile += kKeyTile) {
-    const int64_t n = std::min(kKeyTile, last + 1 - tile);
-    for (int64_t j = 0; j < n; ++j) {
-      read_row<CT>(p.keys, blocks, p.block_size, tile + j, head, p.head_dim, p.padded_dim, s.key_row.data());
-      for (int64_t d = 0; d < p.head_dim; ++d) s.key_tile[d * kKeyTile + j] = s.key_row[d];
-      read_row<CT>(p.values, blocks, p.block_size, tile + j, head, p.value_dim, pvd, s.value_tile.data() + j * pvd);
-    }
-    tile_scores(s.queries.data(), rows, s.key_tile.data(), p.head_dim, p.scale, s.scores.data());
-    for (int64_t r = 0; r < rows; ++r) {
-      float* scores = s.scores.data() + r * kKeyTile;
-      const int64_t position = first + r / p.group;
-      const int64_t lowest = p.window > 0 ? position - p.window + 1 : 0;
-      for (int64_t j = 0; j < kKeyTile; ++j) {
-        if (j >= n || tile + j > position || tile + j < lowest) scores[j] = kNegInf;
-      }
-      const float tile_max = row_max(scores, kKeyTile);
-      if (tile_max == kNegInf) {  // nothing visible in this tile: weights 0, state unchanged
-        std::fill(scores, scores + kKeyTile, 0.f);
-        s.factors[r] = 1.f;
-        continue;
-      }
-      const float new_max = std::max(s.row_max[r], tile_max);
-      s.factors[r] = std::exp(s.row_max[r] - new_max);
-      s.row_sum[r] = s.row_sum[r] * s.factors[r] + exp_shift_sum(scores, kKeyTile, new_max);
-      s.row_max[r] = new_max;
-    }
-    tile_accumulate(s.scores.data(), s.factors.data(), rows, s.value_tile.data(), n, pvd, s.accumulators.data());
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* out = p.output + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * pvd;
-    const Vec sum(s.row_sum[r]);
-    const float* o = s.accumulators.data() + r * pvd;
-    for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(o + i) / sum).store(out + i);
-  }
 }
 
 // ---- the schedule of one call ---------------------------------------------------------------------
@@ -594,6 +479,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   Problem problem{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, value_dim, padded_dim, padded_value_dim,
                   block_size, static_cast<float>(scale), sliding_window, tables.const_data_ptr<int32_t>(),
                   tables.stride(0), query_f.const_data_ptr<float>(), output_f.data_ptr<float>(), keys, values};
+  problem.bf16_queries = query.scalar_type() == at::kBFloat16;
   dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
     attend<decltype(tag)>(problem, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(), batch);
   });

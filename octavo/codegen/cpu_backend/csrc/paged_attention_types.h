@@ -37,6 +37,7 @@ struct Problem {
   const float* query;  // [T, Hq, padded_dim], zero past head_dim
   float* output;       // [T, Hq, padded_value_dim]
   Pool keys, values;
+  bool bf16_queries = false;  // every query value is a bf16 number (the query tensor is bfloat16)
   int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
 };
 
