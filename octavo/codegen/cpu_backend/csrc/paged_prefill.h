@@ -149,7 +149,7 @@ inline bool cpu_has_avx512_bf16() {
 }
 
 constexpr int64_t kBf16KeyTile = 64;  // keys per tile of the bf16 kernel
-constexpr int kBf16RowVectors = 4;    // 16-row vectors scored together (4 keys x 4 vectors of accumulators)
+constexpr int kBf16RowVectors = 4;    // 16-row vectors scored together (with 4 to 8 keys: ~16 accumulators)
 
 // Per-thread buffers of the bf16 kernel. Words are pairs of bf16 (the element of even index in the low half).
 struct Bf16Tile {
@@ -201,11 +201,13 @@ OCTAVO_BF16_TARGET inline void bf16_score_block(const uint32_t* queries, int64_t
     for (int v = 0; v < RV; ++v) _mm512_storeu_ps(scores + k * r16 + v * 16, _mm512_mul_ps(acc[k][v], s));
 }
 
+// bf16_score_block over keys [0, n), NK keys at a time so that about 16 accumulators hide vdpbf16ps' latency.
 template <int RV>
 OCTAVO_BF16_TARGET void bf16_score_keys(const uint32_t* queries, int64_t r16, int64_t pairs,
                                         const uint16_t* const* keys, int64_t n, float scale, float* scores) {
+  constexpr int NK = RV >= 4 ? 4 : RV == 3 ? 5 : 8;
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) bf16_score_block<RV, 4>(queries, r16, pairs, keys + j, scale, scores + j * r16);
+  for (; j + NK <= n; j += NK) bf16_score_block<RV, NK>(queries, r16, pairs, keys + j, scale, scores + j * r16);
   for (; j < n; ++j) bf16_score_block<RV, 1>(queries, r16, pairs, keys + j, scale, scores + j * r16);
 }
 
@@ -310,10 +312,62 @@ inline void bf16_pack_values(Bf16Tile& t, int64_t n, int64_t value_dim) {
   }
 }
 
-// Whether prefill_tile_bf16 runs this problem: bf16 queries (exact in bf16), an even head_dim, value rows of
-// whole 32-element vectors, and a CPU with AVX512_BF16.
+// out[k] = column k of the 16 x 16 matrix of 32-bit words whose rows are in[0:16].
+inline void transpose_words(const __m512i* in, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: per 128-bit lane L, column 4L + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y0 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i x1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    out[c] = _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+    out[8 + c] = _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+    out[4 + c] = _mm512_shuffle_i32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0));
+    out[12 + c] = _mm512_shuffle_i32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// queries[i * r16 + r] = (q_r[2i], q_r[2i + 1]) as bf16 for the item's rows (0 for padding rows up to r16): the
+// high halves of the float queries, which are bf16 values widened. 16 rows x 16 pairs at a time: each row's
+// 32 values narrowed in one permute, then a word transpose.
+inline void bf16_pack_queries(const Problem& p, int64_t head, int64_t token, int64_t rows, int64_t r16,
+                              uint32_t* queries) {
+  alignas(64) static constexpr uint16_t kHighHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                         23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                         45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i high = _mm512_load_si512(kHighHalves);
+  __m512i packed[16], columns[16];
+  for (int64_t r0 = 0; r0 < r16; r0 += 16) {
+    for (int64_t d = 0; d < p.head_dim; d += 32) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = r0 + i;
+        if (r >= rows) {
+          packed[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const float* q = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
+        packed[i] = _mm512_permutex2var_epi16(_mm512_loadu_si512(q + d), high, _mm512_loadu_si512(q + d + 16));
+      }
+      transpose_words(packed, columns);
+      for (int64_t k = 0; k < 16; ++k) _mm512_storeu_si512(queries + (d / 2 + k) * r16 + r0, columns[k]);
+    }
+  }
+}
+
+// Whether prefill_tile_bf16 runs this problem: bf16 queries (exact in bf16), key and value rows of whole
+// 32-element vectors, and a CPU with AVX512_BF16.
 inline bool bf16_prefill_applies(const Problem& p) {
-  return p.bf16_queries && p.head_dim % 2 == 0 && p.value_dim % 32 == 0 && cpu_has_avx512_bf16();
+  return p.bf16_queries && p.head_dim % 32 == 0 && p.value_dim % 32 == 0 && cpu_has_avx512_bf16();
 }
 
 // prefill_tile (see prefill_tile_widened for the arguments) for a bf16 cache and bf16 queries.
@@ -321,16 +375,8 @@ inline void prefill_tile_bf16(const Problem& p, const int32_t* blocks, int64_t h
                               int64_t count) {
   static thread_local Bf16Tile t;
   const int64_t rows = count * p.group, r16 = round_up(rows, 16), pairs = p.head_dim / 2, vd = p.value_dim;
-  t.queries.assign(pairs * r16, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* q = p.query + ((token + r / p.group) * p.num_heads + head * p.group + r % p.group) * p.padded_dim;
-    for (int64_t i = 0; i < pairs; ++i) {  // bf16 values widened to float: the high halves are the bf16 bits
-      uint32_t even, odd;
-      std::memcpy(&even, q + 2 * i, 4);
-      std::memcpy(&odd, q + 2 * i + 1, 4);
-      t.queries[i * r16 + r] = (even >> 16) | (odd & 0xffff0000u);
-    }
-  }
+  t.queries.resize(pairs * r16);
+  bf16_pack_queries(p, head, token, rows, r16, t.queries.data());
   t.positions.resize(r16);
   for (int64_t r = 0; r < r16; ++r) t.positions[r] = r < rows ? static_cast<int32_t>(first + r / p.group) : -1;
   t.scores.resize(kBf16KeyTile * r16);
