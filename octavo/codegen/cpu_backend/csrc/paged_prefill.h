@@ -37,47 +37,82 @@ inline void read_row(const Pool& pool, const int32_t* blocks, int64_t block_size
   }
 }
 
-// Scores of rows [0, rows) against one transposed key tile [dim][kKeyTile]: scores[r][j] = scale * q_r . k_j,
-// kRowBlock rows at a time so that each key vector loaded serves several rows.
+// scores[r][j] = scale * q_r . k_j for NR rows against one transposed key tile [dim][kKeyTile], the NR x
+// kKeyTile / kLanes accumulators in registers (each key vector loaded serves NR rows).
+template <int NR>
+inline void tile_score_rows(const float* const* queries, const float* key_tile, int64_t dim, float scale,
+                            float* scores) {
+  constexpr int64_t kVectors = kKeyTile / kLanes;
+  Vec acc[NR][kVectors];
+  for (auto& row : acc)
+    for (auto& a : row) a = Vec(0.f);
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec keys[kVectors];
+    for (int64_t v = 0; v < kVectors; ++v) keys[v] = Vec::loadu(key_tile + d * kKeyTile + v * kLanes);
+    for (int b = 0; b < NR; ++b) {
+      const Vec qd(queries[b][d]);
+      for (int64_t v = 0; v < kVectors; ++v) acc[b][v] = at::vec::fmadd(qd, keys[v], acc[b][v]);
+    }
+  }
+  for (int b = 0; b < NR; ++b)
+    for (int64_t v = 0; v < kVectors; ++v) (acc[b][v] * Vec(scale)).store(scores + b * kKeyTile + v * kLanes);
+}
+
+// Scores of rows [0, rows) against one transposed key tile: blocks of rows that keep ~16 accumulators busy
+// (enough independent FMAs to cover their latency), the rest one row at a time.
 inline void tile_scores(const float* const* queries, int64_t rows, const float* key_tile, int64_t dim, float scale,
                         float* scores) {
-  constexpr int64_t kRowBlock = 4, kVectors = kKeyTile / kLanes;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, rows - r0);
-    Vec acc[kRowBlock][kVectors];
-    for (auto& row : acc)
-      for (auto& a : row) a = Vec(0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      Vec keys[kVectors];
-      for (int64_t v = 0; v < kVectors; ++v) keys[v] = Vec::loadu(key_tile + d * kKeyTile + v * kLanes);
-      for (int64_t b = 0; b < block; ++b) {
-        const Vec qd(queries[r0 + b][d]);
-        for (int64_t v = 0; v < kVectors; ++v) acc[b][v] = at::vec::fmadd(qd, keys[v], acc[b][v]);
-      }
+  constexpr int kRowBlock = static_cast<int>(std::max<int64_t>(1, 16 / (kKeyTile / kLanes)));
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) {
+    tile_score_rows<kRowBlock>(queries + r, key_tile, dim, scale, scores + r * kKeyTile);
+  }
+  for (; r < rows; ++r) tile_score_rows<1>(queries + r, key_tile, dim, scale, scores + r * kKeyTile);
+}
+
+// tile_accumulate for NR rows and NV column vectors from column `column`, in registers over the whole tile.
+template <int NR, int NV>
+inline void accumulate_tile_block(const float* weights, const float* factors, const float* value_tile, int64_t n,
+                                  int64_t length, int64_t column, float* out) {
+  Vec acc[NR][NV];
+  for (int b = 0; b < NR; ++b)
+    for (int v = 0; v < NV; ++v) acc[b][v] = Vec::loadu(out + b * length + column + v * kLanes) * Vec(factors[b]);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec value[NV];
+    for (int v = 0; v < NV; ++v) value[v] = Vec::loadu(value_tile + j * length + column + v * kLanes);
+    for (int b = 0; b < NR; ++b) {
+      const Vec w(weights[b * kKeyTile + j]);
+      for (int v = 0; v < NV; ++v) acc[b][v] = at::vec::fmadd(w, value[v], acc[b][v]);
     }
-    for (int64_t b = 0; b < block; ++b)
-      for (int64_t v = 0; v < kVectors; ++v) (acc[b][v] * Vec(scale)).store(scores + (r0 + b) * kKeyTile + v * kLanes);
+  }
+  for (int b = 0; b < NR; ++b)
+    for (int v = 0; v < NV; ++v) acc[b][v].store(out + b * length + column + v * kLanes);
+}
+
+template <int NV>
+inline void accumulate_tile_columns(const float* weights, const float* factors, int64_t rows, const float* value_tile,
+                                    int64_t n, int64_t length, int64_t column, float* out) {
+  constexpr int kRowBlock = 4;
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) {
+    accumulate_tile_block<kRowBlock, NV>(weights + r * kKeyTile, factors + r, value_tile, n, length, column,
+                                         out + r * length);
+  }
+  for (; r < rows; ++r) {
+    accumulate_tile_block<1, NV>(weights + r * kKeyTile, factors + r, value_tile, n, length, column, out + r * length);
   }
 }
 
-// out_r = out_r * factors[r] + sum_j weights[r][j] * value_tile[j] for rows [0, rows), j in [0, n): one column
-// vector at a time, kRowBlock rows sharing each value vector loaded.
+// out_r = out_r * factors[r] + sum_j weights[r][j] * value_tile[j] for rows [0, rows), j in [0, n) in order:
+// 4 rows x 4 column vectors of accumulators sharing each value vector loaded (1 column vector at the end).
 inline void tile_accumulate(const float* weights, const float* factors, int64_t rows, const float* value_tile,
                             int64_t n, int64_t length, float* out) {
-  constexpr int64_t kRowBlock = 4;
-  for (int64_t i = 0; i < length; i += kLanes) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t block = std::min(kRowBlock, rows - r0);
-      Vec acc[kRowBlock];
-      for (int64_t b = 0; b < block; ++b) acc[b] = Vec::loadu(out + (r0 + b) * length + i) * Vec(factors[r0 + b]);
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec value = Vec::loadu(value_tile + j * length + i);
-        for (int64_t b = 0; b < block; ++b) {
-          acc[b] = at::vec::fmadd(Vec(weights[(r0 + b) * kKeyTile + j]), value, acc[b]);
-        }
-      }
-      for (int64_t b = 0; b < block; ++b) acc[b].store(out + (r0 + b) * length + i);
-    }
+  int64_t column = 0;
+  for (; column + 4 * kLanes <= length; column += 4 * kLanes) {
+    accumulate_tile_columns<4>(weights, factors, rows, value_tile, n, length, column, out);
+  }
+  for (; column < length; column += kLanes) {
+    accumulate_tile_columns<1>(weights, factors, rows, value_tile, n, length, column, out);
   }
 }
 
