@@ -179,7 +179,10 @@ void prefill_tile_widened(const Problem& p, const int32_t* blocks, int64_t head,
 #define OCTAVO_BF16_TARGET __attribute__((target("avx512bf16")))
 
 inline bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
+  static const bool has = [] {
+    __builtin_cpu_init();  // this library may be loaded before libgcc's own initialisation ran
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
   return has;
 }
 
