@@ -71,7 +71,7 @@ def test_bf16_prefill_within_weight_rounding(group, head_dim, cpu_kernels):
 @pytest.mark.parametrize(("window", "block_size", "group"), [(40, 16, 3), (64, 8, 5), (7, 32, 1)],
                          ids=["window-40", "window-64-gqa5", "window-7-block-32"])
 def test_bf16_prefill_sliding_window(window, block_size, group, cpu_kernels):
-    """Windows shorter, equal to and shorter than a block than the key tile; gqa5: rows that are not 16-row vectors."""
+    """Windows shorter than and as long as a key tile (64 keys), one shorter than a block; gqa5: items of 95 rows."""
     batch = make_batch([(129, 129), (200, 70), (30, 30), (90, 1)], 2 * group, 2, 64, block_size=block_size,
                        dtype=torch.bfloat16, seed=window, sliding_window=window)
     assert_within_bf16_weight_rounding(batch)
