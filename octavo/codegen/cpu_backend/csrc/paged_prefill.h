@@ -120,8 +120,8 @@ inline void tile_accumulate(const float* weights, const float* factors, int64_t 
 // prefill_tile with every K and V row widened (and dequantized) into float tiles of kKeyTile keys, the
 // products in float32 FMAs: any cache type, any ISA level.
 template <typename CT>
-void prefill_tile_widened(const Problem& p, const int32_t* blocks, int64_t head, int64_t token, int64_t first, int64_t count,
-                  Scratch& s) {
+void prefill_tile_widened(const Problem& p, const int32_t* blocks, int64_t head, int64_t token, int64_t first,
+                          int64_t count, Scratch& s) {
   const int64_t rows = count * p.group, pvd = p.padded_value_dim;
   s.key_tile.assign(p.padded_dim * kKeyTile, 0.f);  // transposed: [dim][key]
   s.value_tile.assign(kKeyTile * pvd, 0.f);
@@ -172,7 +172,6 @@ void prefill_tile_widened(const Problem& p, const int32_t* blocks, int64_t head,
     for (int64_t i = 0; i < pvd; i += kLanes) (Vec::loadu(o + i) / sum).store(out + i);
   }
 }
-
 
 // Causal attention of positions [first, first + count) of one sequence (its tokens start at query row
 // `token`) over its context, for the `group` query heads of kv head `head`.
