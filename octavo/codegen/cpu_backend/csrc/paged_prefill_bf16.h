@@ -4,6 +4,7 @@
 #pragma once
 
 #include "paged_attention_types.h"
+#include "paged_decode_bf16.h"  // cpu_has_avx512_bf16
 
 #include <algorithm>
 #include <cstring>
@@ -14,16 +15,8 @@ namespace paged {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Functions using AVX512_BF16 instructions: compiled for them whatever the build's flags (one AVX-512 build
-// serves CPUs with and without them) and only called where the CPU has them.
+// serves CPUs with and without them) and only called where the CPU has them (cpu_has_avx512_bf16).
 #define OCTAVO_BF16_TARGET __attribute__((target("avx512bf16")))
-
-inline bool cpu_has_avx512_bf16() {
-  static const bool has = [] {
-    __builtin_cpu_init();  // this library may be loaded before libgcc's own initialisation ran
-    return __builtin_cpu_supports("avx512bf16") != 0;
-  }();
-  return has;
-}
 
 constexpr int64_t kBf16KeyTile = 64;  // keys per tile of the bf16 kernel
 constexpr int kBf16RowVectors = 4;    // 16-row vectors scored together (with 4 to 8 keys: ~16 accumulators)
