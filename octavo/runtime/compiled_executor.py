@@ -195,7 +195,8 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
                 # Each generated kernel is a torch.profiler range (a flag check while no profiler runs).
                 "cpp.enable_kernel_profile": True,
                 # The wrapper is a straight line of kernel calls: optimizing it (O1) took 17.6 s of gcc
-                # against 10.5 s at O0 for SmolLM2, for no measurable difference per step.
+                # against 10.5 s at O0 for SmolLM2 (cold start 63.9 s against 59.1 s), for 0.3 ms of a
+                # 10.7 ms single-sequence decode step (3%) and nothing measurable on batched steps.
                 "aot_inductor.compile_wrapper_opt_level": "O0",
             })
             staged = Path(scratch) / "package"
