@@ -47,14 +47,16 @@ def build_step_inputs(scheduled: list[ScheduledSequence], block_size: int) -> St
     token list. Positions, slots and the sampled rows are derived with
     tensor arithmetic over all T tokens at once.
     """
-    query_lens = torch.tensor([item.num_new_tokens for item in scheduled], dtype=torch.int64)
+    lens = [item.num_new_tokens for item in scheduled]
+    query_lens = torch.tensor(lens, dtype=torch.int64)
     starts = torch.tensor([item.seq.num_computed_tokens for item in scheduled], dtype=torch.int64)
     query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
     # In a decode step token b is sequence b's; repeat_interleave costs more than the rest of the step's
     # input building together (its parallel kernel), so it is left to steps with several tokens per sequence.
-    owner = (torch.arange(len(scheduled)) if num_tokens == len(scheduled)
+    one_each = all(count == 1 for count in lens)
+    owner = (torch.arange(len(scheduled)) if one_each
              else torch.repeat_interleave(torch.arange(len(scheduled)), query_lens))
     positions = starts[owner] + torch.arange(num_tokens) - query_start_loc[owner]
     input_ids = torch.tensor(_new_token_ids(scheduled), dtype=torch.int64)
