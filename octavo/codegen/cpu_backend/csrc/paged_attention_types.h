@@ -1,4 +1,5 @@
-// Shapes and scratch shared by the paged-attention kernels (paged_attention.cpp, paged_decode.h).
+// Shapes, scratch and pool addressing shared by the paged-attention kernels (paged_attention.cpp, paged_decode.h,
+// paged_prefill.h).
 #pragma once
 
 #include "vec_utils.h"
@@ -27,6 +28,24 @@ struct Pool {
   float* scales = nullptr;
   int64_t scale_block_stride = 0, scale_token_stride = 0, scale_head_stride = 0;
 };
+
+// Pool rows of positions [begin, begin + n) of kv head `head`: pointers to their CT values, held as Row
+// (an untyped pointer, or one to the values' raw bits).
+template <typename CT, typename Row = const void*>
+void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
+                  std::vector<Row>& rows) {
+  rows.resize(n);
+  const CT* base = static_cast<const CT*>(pool.data) + head * pool.head_stride;
+  int64_t block = begin / block_size, offset = begin % block_size;
+  const CT* start = base + blocks[block] * pool.block_stride;
+  for (int64_t j = 0; j < n; ++j) {  // block by block: no division per row
+    if (offset == block_size) {
+      offset = 0;
+      start = base + blocks[++block] * pool.block_stride;
+    }
+    rows[j] = reinterpret_cast<Row>(start + offset++ * pool.token_stride);
+  }
+}
 
 struct Problem {
   int64_t num_heads, num_kv_heads, group, head_dim, value_dim, padded_dim, padded_value_dim, block_size;

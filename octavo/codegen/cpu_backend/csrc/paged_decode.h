@@ -14,23 +14,6 @@
 namespace octavo_cpu {
 namespace paged {
 
-// Pool rows of positions [begin, begin + n) of kv head `head`, as typed pointers.
-template <typename CT>
-void row_pointers(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n, int64_t head,
-                  std::vector<const void*>& rows) {
-  rows.resize(n);
-  const CT* base = static_cast<const CT*>(pool.data) + head * pool.head_stride;
-  int64_t block = begin / block_size, offset = begin % block_size;
-  const CT* start = base + blocks[block] * pool.block_stride;
-  for (int64_t j = 0; j < n; ++j) {  // block by block: no division per row
-    if (offset == block_size) {
-      offset = 0;
-      start = base + blocks[++block] * pool.block_stride;
-    }
-    rows[j] = start + offset++ * pool.token_stride;
-  }
-}
-
 // Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors.
 inline void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
                        int64_t head, std::vector<float>& scales) {

@@ -80,12 +80,6 @@ constexpr bool kHasBf16Pairs = false;
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kHasDotBf16 = true;
 
-// Whether this CPU executes AVX512_BF16 (asked once; the AVX-512 build runs only where AVX-512 does).
-inline bool cpu_has_avx512_bf16() {
-  static const bool present = __builtin_cpu_supports("avx512bf16");
-  return present;
-}
-
 // The bfloat16 bits of query[0:dim] into out[0:dim]; true when every value is a bfloat16 number (the low 16
 // bits of each float are zero), so the truncation is exact.
 inline bool query_as_bf16(const float* query, int64_t dim, uint16_t* out) {

@@ -4,7 +4,6 @@
 #pragma once
 
 #include "paged_attention_types.h"
-#include "paged_decode_bf16.h"  // cpu_has_avx512_bf16
 
 #include <algorithm>
 #include <cstring>
@@ -32,17 +31,6 @@ struct Bf16Tile {
   std::vector<uint16_t> zeros;                        // a zero value row (the partner of an odd last key)
   std::vector<const uint16_t*> key_rows, value_rows;
 };
-
-// Pool rows (as raw bf16 bits) of positions [begin, begin + n) of kv head `head`.
-inline void bf16_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
-                      int64_t head, std::vector<const uint16_t*>& rows) {
-  rows.resize(n);
-  const uint16_t* base = static_cast<const uint16_t*>(pool.data) + head * pool.head_stride;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t position = begin + j;
-    rows[j] = base + blocks[position / block_size] * pool.block_stride + (position % block_size) * pool.token_stride;
-  }
-}
 
 inline uint32_t load_word(const uint16_t* pair) {
   uint32_t word;
@@ -261,8 +249,8 @@ inline void prefill_tile_bf16(const Problem& p, const int32_t* blocks, int64_t h
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
   for (int64_t tile = start; tile <= last; tile += kBf16KeyTile) {
     const int64_t n = std::min(kBf16KeyTile, last + 1 - tile);
-    bf16_rows(p.keys, blocks, p.block_size, tile, n, head, t.key_rows);
-    bf16_rows(p.values, blocks, p.block_size, tile, n, head, t.value_rows);
+    row_pointers<c10::BFloat16, const uint16_t*>(p.keys, blocks, p.block_size, tile, n, head, t.key_rows);
+    row_pointers<c10::BFloat16, const uint16_t*>(p.values, blocks, p.block_size, tile, n, head, t.value_rows);
     bf16_pack_values(t, n, vd);
     for (int64_t v = 0; v < r16 / 16; v += kBf16RowVectors) {
       const uint32_t* queries = t.queries.data() + v * 16;

@@ -334,24 +334,19 @@ inline void prefetch_bytes(const void* data, int64_t n) {
   for (int64_t offset = 0; offset < n; offset += 64) __builtin_prefetch(static_cast<const char*>(data) + offset);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether this CPU executes AVX512_BF16 (asked once; the AVX-512 build runs only where AVX-512 does).
+inline bool cpu_has_avx512_bf16() {
+  static const bool present = __builtin_cpu_supports("avx512bf16");
+  return present;
+}
+#endif
+
 // ---- dynamic scheduling ---------------------------------------------------------------------------
 
 // Runs body(item, thread_state) for item in [0, count) on at::parallel_for's threads, each thread taking
-// the next unclaimed item: work items of unequal cost (prefill tiles, shared chunks) balance themselves.
-template <typename State, typename Body>
-void for_each_item(int64_t count, const Body& body) {
-  if (count == 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker) {
-      State state;
-      for (int64_t item = next.fetch_add(1); item < count; item = next.fetch_add(1)) body(item, state);
-    }
-  });
-}
-
-// for_each_item, with each thread claiming its next item before it runs the current one and calling
+// the next unclaimed item (work items of unequal cost, such as prefill tiles and shared chunks, balance
+// themselves). A thread claims its next item before it runs the current one and calls
 // prefetch(next, thread_state) first: the memory that item reads is on its way while this one computes.
 template <typename State, typename Body, typename Prefetch>
 void for_each_item_ahead(int64_t count, const Body& body, const Prefetch& prefetch) {
