@@ -57,6 +57,7 @@ class DecodeBuffers:
             "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
         }
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
 
     def bucket(self, num_seqs: int) -> int | None:
         """The ladder size a decode step of `num_seqs` sequences runs at (None: larger than the ladder)."""
@@ -66,9 +67,13 @@ class DecodeBuffers:
         return None
 
     def views(self, size: int) -> dict[str, torch.Tensor]:
-        """The inputs of a step at ladder size `size`: the first `size` rows of every buffer."""
-        views = {name: tensor[:size] for name, tensor in self.tensors.items()}
-        views["query_start_loc"] = self.tensors["query_start_loc"][:size + 1]
+        """The inputs of a step at ladder size `size`: the first `size` rows of every buffer (made once
+        per size: the buffers never move)."""
+        views = self._views.get(size)
+        if views is None:
+            views = {name: tensor[:size] for name, tensor in self.tensors.items()}
+            views["query_start_loc"] = self.tensors["query_start_loc"][:size + 1]
+            self._views[size] = views
         return views
 
     def fill(self, inputs: StepInputs, size: int) -> dict[str, torch.Tensor]:
@@ -83,13 +88,16 @@ class DecodeBuffers:
             raise ValueError(f"a block table of {width} blocks exceeds the decode buffers' {self.max_blocks}")
         buffers = self.tensors
         last = num_seqs - 1
+        padding = size - num_seqs
         for name in ("input_ids", "positions", "seq_lens"):
             buffers[name][:num_seqs].copy_(getattr(inputs, name), non_blocking=True)
-            buffers[name][num_seqs:size].copy_(buffers[name][last:num_seqs].expand(size - num_seqs))
+            if padding:
+                buffers[name][num_seqs:size].copy_(buffers[name][last:num_seqs].expand(padding))
         buffers["slot_mapping"][:num_seqs].copy_(inputs.slot_mapping, non_blocking=True)
-        buffers["slot_mapping"][num_seqs:size].fill_(PAD_SLOT)
         tables = buffers["block_tables"]
         tables[:num_seqs, :width].copy_(inputs.block_tables, non_blocking=True)
         tables[:num_seqs, width:].zero_()
-        tables[num_seqs:size].copy_(tables[last:num_seqs].expand(size - num_seqs, -1))
+        if padding:
+            buffers["slot_mapping"][num_seqs:size].fill_(PAD_SLOT)
+            tables[num_seqs:size].copy_(tables[last:num_seqs].expand(padding, -1))
         return self.views(size)

@@ -127,3 +127,27 @@ def test_random_batches_match_the_per_token_loop(shapes, block_size, seed):
         manager.allocate(seq, computed + new + rng.randrange(0, 2 * block_size))
         scheduled.append(ScheduledSequence(seq, new))
     check_against_reference(scheduled, block_size)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 80), min_size=1, max_size=9),
+    one_token_chunk=st.booleans(),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_steps_match_the_per_token_loop(lengths, one_token_chunk, block_size, seed):
+    """Steps of one new token per sequence, every one sampled (the decode shape, built from plain integers),
+    and the same with one sequence computing a single prompt token that does not sample."""
+    rng = random.Random(seed)
+    manager = scrambled_manager(1024, block_size, seed)
+    scheduled = []
+    for index, length in enumerate(lengths):
+        seq = make_sequence(str(index), length + 1, length, rng)
+        manager.allocate(seq, length + 1 + rng.randrange(0, 2 * block_size))
+        scheduled.append(ScheduledSequence(seq, 1))
+    if one_token_chunk:
+        seq = make_sequence("chunk", 12, 3, rng)
+        manager.allocate(seq, 4)
+        scheduled.insert(rng.randrange(len(scheduled) + 1), ScheduledSequence(seq, 1))
+    check_against_reference(scheduled, block_size)
