@@ -35,7 +35,7 @@ from octavo.errors import OctavoError
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp")
+SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp", "argmax_rows.cpp")
 HEADERS = ("vec_utils.h", "paged_attention_types.h", "paged_decode.h", "paged_decode_bf16.h", "paged_prefill.h",
            "paged_prefill_bf16.h")
 LIBRARY_NAME = "octavo_cpu_kernels"
@@ -87,6 +87,11 @@ def load_cpu_kernels() -> CpuKernels:
     register_fake_kernels()
     _loaded = CpuKernels(path, target, torch.ops.octavo_cpu.build_info())
     logger.info("CPU kernels loaded: %s, built for %s (%s)", path, target.describe(), _loaded.build_info)
+    return _loaded
+
+
+def loaded_cpu_kernels() -> CpuKernels | None:
+    """The library this process loaded, or None: for code that uses a kernel only where it is loaded already."""
     return _loaded
 
 
