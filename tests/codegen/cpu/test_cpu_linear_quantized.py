@@ -1,16 +1,23 @@
 """The C++ linear_w8 / linear_w4 (weights dequantized in the kernel) against the layouts' definition.
 
 The reference is the definition (octavo.ir.quantized_layout's float32 dequantization, then x @ W.T + bias)
-computed in float64, so it is exact up to float64 rounding. The kernel dequantizes each weight exactly as the
-definition does (the same float32 roundings) and sums the K products and the bias in float32 in some order:
-each partial sum and product rounds once, so its error is within gamma_(K+1) * sum_k |x_k w_k| + |bias|
-(gamma_n = n u / (1 - n u), u = 2^-24) of the exact result on those weights (Higham, Accuracy and Stability
-of Numerical Algorithms, 3.1); the test allows that bound. A result rounded to bfloat16 / float16 (x of that
-dtype) adds one rounding of the output: half a unit in its last place, 2^-8 / 2^-11 relative.
+computed in float64, so it is exact up to float64 rounding. Bounds follow Higham (Accuracy and Stability of
+Numerical Algorithms, lemma 3.1): a result that reaches every term through at most n float32 roundings
+(u = 2^-24), each a factor (1 + d) or 1 / (1 + d) with |d| <= u, is within gamma_n * sum_k |x_k w_k| + |bias|
+of the exact one (gamma_n = n u / (1 - n u)); the order of the sum does not matter.
 
-With bf16_gemm (rows above the GEMV's 8), x and the weight are each rounded to bfloat16 (unit roundoff
-v = 2^-9, rounding to nearest) before the float32 sum, so each product is within (1 + v)^2 - 1 of its
-exact value, and the bfloat16 result rounds once more: the bound grows by those terms.
+- w4, and w8 above 8 rows: each weight is dequantized exactly as the definition does (the same float32
+  roundings), then the K products and the bias are summed in float32: one rounding per product and at most K
+  additions on any term's way, n = K + 1.
+- w8 GEMV (up to 8 rows; see gemv_int8.h): x * float(q) summed over each group, the sum multiplied by the
+  group's scale, the groups and the bias added: a product, at most K additions and the scaling, K + 2 roundings
+  of the exact x * q * scale; against the reference's weights w = fl(q * scale) = q * scale * (1 + d) one factor
+  1 / (1 + d) more: n = K + 3.
+
+A result rounded to bfloat16 / float16 (x of that dtype) adds one rounding of the output: half a unit in its
+last place, 2^-8 / 2^-11 relative. With bf16_gemm (rows above the GEMV's 8), x and the weight are each rounded
+to bfloat16 (unit roundoff v = 2^-9, rounding to nearest) before the float32 sum, so each product is within
+(1 + v)^2 - 1 of its exact value, and the bfloat16 result rounds once more: the bound grows by those terms.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from octavo.ir.quantized_layout import dequantize_w4, dequantize_w8, num_groups, pack_int4
 
 ROWS = [1, 2, 7, 8, 9, 64]
+GEMV_ROWS = 8
 OUTPUT_UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
@@ -39,15 +47,18 @@ def w4_weight(n: int, k: int, group_size: int, scale_dtype: torch.dtype, generat
 
 
 def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None, bf16_gemm: bool = False) -> None:
-    """`output` of x [..., K] against the float32 `weight` [N, K] within the bound of the module docstring."""
+                           bias: torch.Tensor | None, bf16_gemm: bool = False, w8: bool = False) -> None:
+    """`output` of x [..., K] against the float32 `weight` [N, K] within the bound of the module docstring.
+
+    w8: the output is linear_w8's, from its GEMV (n = K + 3) where x has up to GEMV_ROWS rows.
+    """
     flat = x.reshape(-1, x.shape[-1]).double()
     assert output.dtype == x.dtype and output.shape == (*x.shape[:-1], weight.shape[0])
     bias64 = 0 if bias is None else bias.double()
     exact = flat @ weight.double().T + bias64
-    k = x.shape[-1]
+    roundings = x.shape[-1] + (3 if w8 and flat.shape[0] <= GEMV_ROWS else 1)
     unit = 2.0 ** -24
-    gamma = (k + 1) * unit / (1 - (k + 1) * unit)
+    gamma = roundings * unit / (1 - roundings * unit)
     magnitude = flat.abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
     if bf16_gemm:
         narrowing = 2.0 ** -9
@@ -69,8 +80,26 @@ def test_w8_matches_definition(rows, group_size, cpu_kernels):
     x = torch.randn(rows, 576, generator=generator)
     bias = torch.randn(203, generator=generator)
     weight = dequantize_w8(qweight, scales, group_size)
-    assert_within_rounding(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size), x, weight, bias)
-    assert_within_rounding(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size), x, weight, None)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size)
+    assert_within_rounding(output, x, weight, bias, w8=True)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size)
+    assert_within_rounding(output, x, weight, None, w8=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("group_size", [216, 48], ids=["per_row", "group48"])
+def test_w8_gemv_odd_vector_counts(rows, group_size, cpu_kernels):
+    """K = 216: per row 13.5 AVX-512 vectors (27 AVX2 ones), groups of 48 three (six): chains left unequal.
+
+    The GEMV deals a row's or a group's vectors to several accumulators in turn and sums the columns no vector
+    covers apart; N = 13 leaves a block of fewer rows at the end.
+    """
+    generator = torch.Generator().manual_seed(rows * 100 + group_size)
+    qweight, scales = w8_weight(13, 216, group_size, torch.float32, generator)
+    x = torch.randn(rows, 216, generator=generator)
+    bias = torch.randn(13, generator=generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, group_size), bias, w8=True)
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -111,7 +140,7 @@ def test_scale_dtypes(scale_dtype, rows, cpu_kernels):
     x = torch.randn(rows, 96, generator=generator)
     qweight, scales = w8_weight(19, 96, 32, scale_dtype, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32)
-    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None, w8=True)
     packed, scales, offsets = w4_weight(19, 96, 32, scale_dtype, generator)
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 32)
     assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 32), None)
@@ -126,7 +155,7 @@ def test_reduced_precision_activations(dtype, rows, cpu_kernels):
     bias = torch.randn(45, generator=generator).to(dtype)
     qweight, scales = w8_weight(45, 64, 64, torch.bfloat16, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 64)
-    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 64), bias.float())
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 64), bias.float(), w8=True)
     packed, scales, offsets = w4_weight(45, 64, 32, torch.bfloat16, generator)
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, bias, 32)
     assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 32), bias.float())
@@ -139,7 +168,7 @@ def test_odd_group_sizes_and_leading_dims(shape, cpu_kernels):
     x = torch.randn(shape, generator=generator)
     qweight, scales = w8_weight(21, 46, 7, torch.float32, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 7)
-    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 7), None)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 7), None, w8=True)
     packed, scales, offsets = w4_weight(21, 46, 9, torch.float32, generator)
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 9)
     assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 9), None)
@@ -151,7 +180,7 @@ def test_large_layer_spans_threads(cpu_kernels):
     x = torch.randn(1, 1536, generator=generator)
     qweight, scales = w8_weight(1000, 1536, 32, torch.float16, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32)
-    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None)
+    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), None, w8=True)
 
 
 def test_bad_arguments_name_what_is_wrong(cpu_kernels):
@@ -205,5 +234,5 @@ def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
         assert node.args[-1] is CpuFeatures.detect().native_bf16
         parameters = node.args[2:4] if node.target == native.linear_w4.default else node.args[2:3]
         assert all(getattr(graph_module, arg.target).dtype == torch.float32 for arg in parameters)
-    for output, weight in zip(graph_module(x)[:4], dense.values(), strict=False):
-        assert_within_rounding(output, x, weight, None)
+    for output, (name, weight) in zip(graph_module(x)[:4], dense.items(), strict=False):
+        assert_within_rounding(output, x, weight, None, w8=name.startswith("w8"))

@@ -1,17 +1,23 @@
 // octavo_cpu::linear_w8 / linear_w4: x @ W.T (+ bias) over the int8 and 4-bit weight layouts of
-// octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas). The weights are
-// dequantized inside the kernel exactly as the layout defines them (w8: float(q) * scale; w4: float(q) * scale,
-// then + offset, each rounded to float32), never stored dequantized: decode reads the int8 / int4 bytes.
-// x, the accumulation, the bias and the result are float32; x of another float dtype is widened first and the
-// result rounded to it once at the end.
+// octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas), never stored dequantized:
+// decode reads the int8 / int4 bytes. x, the accumulation, the bias and the result are float32; x of another float
+// dtype is widened first and the result rounded to it once at the end.
 //
-// Up to kGemvRows rows of x: a streaming kernel that reads every weight once, dequantizes it in registers and
-// keeps the rows of x in cache (memory-bound by design). More rows: a tile of output columns at a time is
-// dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+// Up to kGemvRows rows of x: a streaming kernel that reads every weight once and keeps the rows of x in cache
+// (memory-bound by design). More rows: a tile of output columns at a time is dequantized into a per-thread
+// float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+//
+// The arithmetic, each step rounded to float32, the sums in the kernel's own order:
+// - w4 (every path) and the w8 GEMM: each weight dequantized exactly as the layout defines it (w8: float(q) *
+//   scale; w4: float(q) * scale, then + offset), then out = sum over k of x * weight (+ bias).
+// - w8 GEMV (gemv_int8.h), for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
+//   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
+//   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
 // bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized tile rounded to bfloat16
 // (relative error 2^-9 each), products summed in float32 by oneDNN, the result rounded to bfloat16 once more and
 // widened, the bias added in float32. Only the rows above kGemvRows are affected; the GEMV is float32 always.
+#include "gemv_int8.h"
 #include "vec_utils.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -30,7 +36,6 @@ namespace {
 
 constexpr int64_t kGemvRows = 8;
 constexpr int64_t kTileColumns = 128;      // output columns (weight rows) dequantized per GEMM tile
-constexpr int64_t kTaskBytes = 64 * 1024;  // weight bytes a GEMV task reads at least (small layers: one thread)
 
 // The kLanes 4-bit values of kLanes / 2 bytes (low nibble first) widened to float, in registers.
 inline Vec load_nibbles(const uint8_t* src) {
@@ -243,8 +248,8 @@ template <int M, int VG, typename W>
 void gemv(const W& w, const float* x, const float* bias, float* out) {
   constexpr int R = M <= 2 ? 4 : 2;
   const int64_t blocks = (w.N + R - 1) / R;
-  // Whole R-row blocks per task, at least kTaskBytes of weights each, so small layers do not pay for threads.
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(w.row_bytes() * R, 1));
+  // Whole R-row blocks per task, at least kGemvTaskBytes of weights each, so small layers do not pay for threads.
+  const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.row_bytes() * R, 1));
   std::vector<float> split;
   if (VG > 0 && W::kSplitsColumns) split = split_columns(x, M, w.K, w.K / w.group_size * w.group_size);
   const float* x_whole = split.empty() ? x : split.data();
@@ -275,6 +280,24 @@ void gemv_dispatch(int64_t rows, const W& w, const float* x, const float* bias, 
     case 7: return gemv_groups<7>(w, x, bias, out);
     case 8: return gemv_groups<8>(w, x, bias, out);
     default: TORCH_CHECK(false, "quantized linear: gemv takes 1 to ", kGemvRows, " rows, got ", rows);
+  }
+}
+
+void gemv_for(int64_t rows, const Int4Weight& w, const float* x, const float* bias, float* out) {
+  gemv_dispatch(rows, w, x, bias, out);
+}
+
+// w8: scaled group sums where gemv_int8 applies (see there), else each weight dequantized as the layout defines.
+void gemv_for(int64_t rows, const Int8Weight& w, const float* x, const float* bias, float* out) {
+  if (gemv_int8(rows, Int8Matrix{w.q, w.scales, w.N, w.K, w.group_size, w.groups}, x, bias, out)) return;
+  switch (rows) {
+    case 3: return gemv_groups<3>(w, x, bias, out);
+    case 4: return gemv_groups<4>(w, x, bias, out);
+    case 5: return gemv_groups<5>(w, x, bias, out);
+    case 6: return gemv_groups<6>(w, x, bias, out);
+    case 7: return gemv_groups<7>(w, x, bias, out);
+    case 8: return gemv_groups<8>(w, x, bias, out);
+    default: TORCH_CHECK(false, "linear_w8: the dequantizing gemv takes 3 to ", kGemvRows, " rows, got ", rows);
   }
 }
 
@@ -374,8 +397,7 @@ void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& b
              bool bf16_gemm) {
   const int64_t M = x.size(0);
   if (M <= kGemvRows) {
-    gemv_dispatch(M, w, x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr,
-                  out.data_ptr<float>());
+    gemv_for(M, w, x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<float>());
   } else {
     tiled_gemm(w, x, bias, out, bf16_gemm);
   }
