@@ -18,6 +18,7 @@ struct Int8Matrix {
 
 // Weight bytes a GEMV task reads at least: a small layer runs on one thread, not paying for the others' wake-up.
 constexpr int64_t kGemvTaskBytes = 64 * 1024;
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the rows being summed the weights are asked for
 
 // part[r][m][c] += x[m, column:column+kLanes] * float(q[n + r, column:column+kLanes]) (rows of W from `rows`).
 template <int M, int R, int C>
@@ -71,15 +72,28 @@ inline void sum_columns(const Int8Matrix& w, const float* x, int64_t n, int64_t 
   }
 }
 
+// Asks for the weight bytes kPrefetchBytes past those of rows [n, n + R), up to prefetch_end (the end of the
+// task's rows): they are on their way while these rows are summed, whatever the row length and the rows per
+// block. Measured on Zen 5: the streaming of short rows (576 bytes) is faster with it than with the hardware
+// prefetcher alone.
+template <int R>
+__attribute__((always_inline)) inline void prefetch_ahead(const Int8Matrix& w, int64_t n,
+                                                          const int8_t* prefetch_end) {
+  const int8_t* from = w.q + n * w.K + kPrefetchBytes;
+  const int64_t count = std::min<int64_t>(R * w.K, prefetch_end - from);
+  if (count > 0) prefetch_bytes(from, count);
+}
+
 // Rows [n, n + R) with one scale a row: out = (sum of the row's products) * scale (+ bias).
-template <int M, int R, int C, bool Prefetch>
-inline void rows_per_row_scale(const Int8Matrix& w, const float* x, const float* bias, float* out, int64_t n) {
+template <int M, int R, int C>
+inline void rows_per_row_scale(const Int8Matrix& w, const float* x, const float* bias, float* out, int64_t n,
+                               const int8_t* prefetch_end) {
   Vec part[R][M][C];
   float rest[R][M] = {};
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m)
       for (int c = 0; c < C; ++c) part[r][m][c] = Vec(0.f);
-  if (Prefetch) prefetch_bytes(w.q + (n + R) * w.K, R * w.K);
+  prefetch_ahead<R>(w, n, prefetch_end);
   const int64_t vectors = w.K / kLanes;
   sum_vectors<M, R, C, 0>(w, x, n, 0, vectors, part);
   sum_columns<M, R>(w, x, n, vectors * kLanes, w.K, rest);
@@ -94,13 +108,14 @@ inline void rows_per_row_scale(const Int8Matrix& w, const float* x, const float*
 
 // Rows [n, n + R), group by group: acc += (the group's sum of products) * scale, one vector per (row, x row), and
 // the group's columns no vector covers likewise into a float. VG > 0: every group is VG whole vectors.
-template <int M, int R, int C, int VG, bool Prefetch>
-inline void rows_grouped(const Int8Matrix& w, const float* x, const float* bias, float* out, int64_t n) {
+template <int M, int R, int C, int VG>
+inline void rows_grouped(const Int8Matrix& w, const float* x, const float* bias, float* out, int64_t n,
+                         const int8_t* prefetch_end) {
   Vec acc[R][M];
   float tail[R][M] = {};
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
-  if (Prefetch) prefetch_bytes(w.q + (n + R) * w.K, R * w.K);
+  prefetch_ahead<R>(w, n, prefetch_end);
   for (int64_t g = 0; g < w.groups; ++g) {
     const int64_t first = g * w.group_size, last = std::min(first + w.group_size, w.K);
     const int64_t vectors = (last - first) / kLanes;
@@ -128,31 +143,24 @@ inline void rows_grouped(const Int8Matrix& w, const float* x, const float* bias,
   }
 }
 
-// Weight rows [begin, end): R at a time, the last few one at a time. Prefetching stops a block before the end,
-// where the next block belongs to another task or is past the weight.
+// Weight rows [begin, end): R at a time, the last few one at a time.
 template <int M, int R, int C, int VG, bool Grouped>
 void gemv_int8_range(const Int8Matrix& w, const float* x, const float* bias, float* out, int64_t begin,
                      int64_t end) {
+  const int8_t* prefetch_end = w.q + end * w.K;
   int64_t n = begin;
-  for (; n + 2 * R <= end; n += R) {
-    if constexpr (Grouped) {
-      rows_grouped<M, R, C, VG, true>(w, x, bias, out, n);
-    } else {
-      rows_per_row_scale<M, R, C, true>(w, x, bias, out, n);
-    }
-  }
   for (; n + R <= end; n += R) {
     if constexpr (Grouped) {
-      rows_grouped<M, R, C, VG, false>(w, x, bias, out, n);
+      rows_grouped<M, R, C, VG>(w, x, bias, out, n, prefetch_end);
     } else {
-      rows_per_row_scale<M, R, C, false>(w, x, bias, out, n);
+      rows_per_row_scale<M, R, C>(w, x, bias, out, n, prefetch_end);
     }
   }
   for (; n < end; ++n) {
     if constexpr (Grouped) {
-      rows_grouped<M, 1, C, VG, false>(w, x, bias, out, n);
+      rows_grouped<M, 1, C, VG>(w, x, bias, out, n, prefetch_end);
     } else {
-      rows_per_row_scale<M, 1, C, false>(w, x, bias, out, n);
+      rows_per_row_scale<M, 1, C>(w, x, bias, out, n, prefetch_end);
     }
   }
 }
