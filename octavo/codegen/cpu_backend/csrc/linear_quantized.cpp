@@ -290,15 +290,7 @@ void gemv_for(int64_t rows, const Int4Weight& w, const float* x, const float* bi
 // w8: scaled group sums where gemv_int8 applies (see there), else each weight dequantized as the layout defines.
 void gemv_for(int64_t rows, const Int8Weight& w, const float* x, const float* bias, float* out) {
   if (gemv_int8(rows, Int8Matrix{w.q, w.scales, w.N, w.K, w.group_size, w.groups}, x, bias, out)) return;
-  switch (rows) {
-    case 3: return gemv_groups<3>(w, x, bias, out);
-    case 4: return gemv_groups<4>(w, x, bias, out);
-    case 5: return gemv_groups<5>(w, x, bias, out);
-    case 6: return gemv_groups<6>(w, x, bias, out);
-    case 7: return gemv_groups<7>(w, x, bias, out);
-    case 8: return gemv_groups<8>(w, x, bias, out);
-    default: TORCH_CHECK(false, "linear_w8: the dequantizing gemv takes 3 to ", kGemvRows, " rows, got ", rows);
-  }
+  gemv_dispatch(rows, w, x, bias, out);
 }
 
 // dst[0:K] = W[n, :] in float32, the same values the GEMV computes in registers.
