@@ -76,6 +76,7 @@ struct Int8Weight {
   Vec values(int64_t n, int64_t k, const Vec& s, const Vec&) const { return load_widened(q + n * K + k) * s; }
   float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
   int64_t row_bytes() const { return K; }
+  const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(q) + n * K; }
 };
 
 // w4: W[n, k] = float(nibble k of row n) * scales[n, g] + offsets[n, g], g = k / group_size.
@@ -103,6 +104,7 @@ struct Int4Weight {
     return static_cast<float>((k & 1) ? byte >> 4 : byte & 0x0F) * s + o;
   }
   int64_t row_bytes() const { return K / 2; }
+  const uint8_t* row(int64_t n) const { return q + n * (K / 2); }
 };
 
 // Columns [begin, end) of one group: the first column whose vectors can start there, and the end of the vectors.
@@ -146,9 +148,12 @@ inline void accumulate_group(const W& w, const float* x, int64_t n, int64_t g, i
   }
 }
 
-// Accumulates rows [n, n + R) of W against the M rows of x over group g, which is VG whole vectors.
-template <int M, int R, int VG, typename W>
-inline void accumulate_whole_group(const W& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M]) {
+// Accumulates rows [n, n + R) of W against the M rows of x over group g, which is VG whole vectors: C = 2
+// deals the vectors to acc and odd in turn (two independent chains of fused multiply-adds a pair, hiding
+// their latency where R * M pairs are too few), C = 1 leaves odd alone.
+template <int M, int R, int VG, int C, typename W>
+inline void accumulate_whole_group(const W& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M],
+                                   Vec (&odd)[R][M]) {
   const int64_t K = w.K, first = g * (VG * kLanes);
   Vec sv[R], ov[R];
   for (int r = 0; r < R; ++r) {
@@ -161,7 +166,13 @@ inline void accumulate_whole_group(const W& w, const float* x, int64_t n, int64_
     for (int r = 0; r < R; ++r) wide[r] = w.values(n + r, k, sv[r], ov[r]);
     for (int m = 0; m < M; ++m) {
       const Vec xv = Vec::loadu(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(xv, wide[r], acc[r][m]);
+      for (int r = 0; r < R; ++r) {
+        if (C == 2 && v % 2 == 1) {
+          odd[r][m] = at::vec::fmadd(xv, wide[r], odd[r][m]);
+        } else {
+          acc[r][m] = at::vec::fmadd(xv, wide[r], acc[r][m]);
+        }
+      }
     }
   }
 }
@@ -170,9 +181,11 @@ inline void accumulate_whole_group(const W& w, const float* x, int64_t n, int64_
 // The w4 group as a table lookup: its 16 possible values q * scale + offset (q = 0..15, rounded exactly as the
 // layout defines) fill one vector, and vpermps picks each column's value by its nibble. 32 columns (16 bytes) at
 // a time: the bytes widened to 32-bit lanes index by their low 4 bits (even columns) and, shifted, by their high
-// 4 bits (odd columns); x holds each chunk's even columns first, then its odd ones (split_columns).
-template <int M, int R, int VG>
-inline void accumulate_whole_group(const Int4Weight& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M]) {
+// 4 bits (odd columns); x holds each chunk's even columns first, then its odd ones (split_columns). C = 2: the
+// odd columns' products go to the chains of odd (see the generic accumulate_whole_group).
+template <int M, int R, int VG, int C>
+inline void accumulate_whole_group(const Int4Weight& w, const float* x, int64_t n, int64_t g, Vec (&acc)[R][M],
+                                   Vec (&odd_acc)[R][M]) {
   static_assert(VG % 2 == 0, "the lookup takes 32-column chunks");
   const int64_t K = w.K, first = g * (VG * kLanes);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -194,7 +207,11 @@ inline void accumulate_whole_group(const Int4Weight& w, const float* x, int64_t 
       const Vec x_even = Vec::loadu(x + m * K + k), x_odd = Vec::loadu(x + m * K + k + kLanes);
       for (int r = 0; r < R; ++r) {
         acc[r][m] = at::vec::fmadd(x_even, even[r], acc[r][m]);
-        acc[r][m] = at::vec::fmadd(x_odd, odd[r], acc[r][m]);
+        if (C == 2) {
+          odd_acc[r][m] = at::vec::fmadd(x_odd, odd[r], odd_acc[r][m]);
+        } else {
+          acc[r][m] = at::vec::fmadd(x_odd, odd[r], acc[r][m]);
+        }
       }
     }
   }
@@ -219,34 +236,42 @@ inline std::vector<float> split_columns(const float* x, int64_t rows, int64_t K,
 // VG > 0: the group size is VG vectors, so every whole group runs a loop of fixed length with no tails (the
 // short last group, if any, takes the general path), reading x_whole (x, or x reordered as W::kSplitsColumns
 // says); VG = 0: every group takes the general path.
-template <int M, int R, int VG, typename W>
+// C accumulator chains per (weight row, x row) pair in the whole groups (see accumulate_whole_group). Each block
+// first asks for the weight bytes kPrefetchBytes past its rows, up to the end of the task's rows (as gemv_int8.h).
+template <int M, int R, int VG, int C, typename W>
 void gemv_block(const W& w, const float* x, const float* x_whole, const float* bias, float* out, int64_t begin,
                 int64_t end) {
   const int64_t K = w.K, N = w.N;
   const int64_t whole_groups = VG > 0 ? K / w.group_size : 0;
+  const uint8_t* prefetch_end = w.row(end);
   int64_t n = begin;
   for (; n + R <= end; n += R) {
-    Vec acc[R][M];
+    // Written out, not as a call with a clamped count, which GCC 12 deletes: check the library for prefetcht0.
+    const uint8_t* last = std::min(w.row(n + R) + kPrefetchBytes, prefetch_end);
+    for (const uint8_t* line = w.row(n) + kPrefetchBytes; line < last; line += 64) __builtin_prefetch(line);
+    Vec acc[R][M], odd[R][M];
     float tail[R][M] = {};
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
-    for (int64_t g = 0; g < whole_groups; ++g) accumulate_whole_group<M, R, VG>(w, x_whole, n, g, acc);
+      for (int m = 0; m < M; ++m) acc[r][m] = odd[r][m] = Vec(0.f);
+    for (int64_t g = 0; g < whole_groups; ++g) accumulate_whole_group<M, R, VG, C>(w, x_whole, n, g, acc, odd);
     for (int64_t g = whole_groups; g < w.groups; ++g) {
       accumulate_group<M, R>(w, x, n, g, g * w.group_size, std::min((g + 1) * w.group_size, K), acc, tail);
     }
     for (int r = 0; r < R; ++r) {
       for (int m = 0; m < M; ++m) {
-        const float total = hsum(acc[r][m]) + tail[r][m];
+        const float total = hsum(C == 2 ? acc[r][m] + odd[r][m] : acc[r][m]) + tail[r][m];
         out[m * N + n + r] = bias ? total + bias[n + r] : total;
       }
     }
   }
-  if (n < end) gemv_block<M, 1, VG>(w, x, x_whole, bias, out, n, end);
+  if (n < end) gemv_block<M, 1, VG, C>(w, x, x_whole, bias, out, n, end);
 }
 
 template <int M, int VG, typename W>
 void gemv(const W& w, const float* x, const float* bias, float* out) {
+  // R * M * C independent chains of fused multiply-adds: 8 for one or two rows of x, 6 to 16 above.
   constexpr int R = M <= 2 ? 4 : 2;
+  constexpr int C = M == 1 ? 2 : 1;
   const int64_t blocks = (w.N + R - 1) / R;
   // Whole R-row blocks per task, at least kGemvTaskBytes of weights each, so small layers do not pay for threads.
   const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.row_bytes() * R, 1));
@@ -254,7 +279,7 @@ void gemv(const W& w, const float* x, const float* bias, float* out) {
   if (VG > 0 && W::kSplitsColumns) split = split_columns(x, M, w.K, w.K / w.group_size * w.group_size);
   const float* x_whole = split.empty() ? x : split.data();
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    gemv_block<M, R, VG>(w, x, x_whole, bias, out, begin * R, std::min(end * R, w.N));
+    gemv_block<M, R, VG, C>(w, x, x_whole, bias, out, begin * R, std::min(end * R, w.N));
   });
 }
 
