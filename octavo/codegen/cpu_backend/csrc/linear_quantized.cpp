@@ -77,6 +77,7 @@ struct Int8Weight {
   float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
   int64_t row_bytes() const { return K; }
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(q) + n * K; }
+  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales + i); }
 };
 
 // w4: W[n, k] = float(nibble k of row n) * scales[n, g] + offsets[n, g], g = k / group_size.
@@ -105,6 +106,10 @@ struct Int4Weight {
   }
   int64_t row_bytes() const { return K / 2; }
   const uint8_t* row(int64_t n) const { return q + n * (K / 2); }
+  void prefetch_parameters(int64_t i) const {
+    __builtin_prefetch(scales + i);
+    __builtin_prefetch(offsets + i);
+  }
 };
 
 // Columns [begin, end) of one group: the first column whose vectors can start there, and the end of the vectors.
@@ -244,11 +249,16 @@ void gemv_block(const W& w, const float* x, const float* x_whole, const float* b
   const int64_t K = w.K, N = w.N;
   const int64_t whole_groups = VG > 0 ? K / w.group_size : 0;
   const uint8_t* prefetch_end = w.row(end);
+  // The scales (and offsets) as many rows ahead as the weight bytes.
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(w.row_bytes(), 1));
   int64_t n = begin;
   for (; n + R <= end; n += R) {
     // Written out, not as a call with a clamped count, which GCC 12 deletes: check the library for prefetcht0.
     const uint8_t* last = std::min(w.row(n + R) + kPrefetchBytes, prefetch_end);
     for (const uint8_t* line = w.row(n) + kPrefetchBytes; line < last; line += 64) __builtin_prefetch(line);
+    for (int64_t i = (n + ahead) * w.groups; i < std::min(n + R + ahead, end) * w.groups; i += 16) {
+      w.prefetch_parameters(i);
+    }
     Vec acc[R][M], odd[R][M];
     float tail[R][M] = {};
     for (int r = 0; r < R; ++r)
