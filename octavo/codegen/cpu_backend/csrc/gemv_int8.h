@@ -75,13 +75,11 @@ inline void sum_columns(const Int8Matrix& w, const float* x, int64_t n, int64_t 
 // Asks for the weight bytes kPrefetchBytes past those of rows [n, n + R), up to prefetch_end (the end of the
 // task's rows): they are on their way while these rows are summed, whatever the row length and the rows per
 // block. Measured on Zen 5: the streaming of short rows (576 bytes) is faster with it than with the hardware
-// prefetcher alone. (The loop is written out: GCC 12 deletes it as a call of prefetch_bytes with a clamped
-// count; check the built library for prefetcht0 after changing it.)
+// prefetcher alone.
 template <int R>
 __attribute__((always_inline)) inline void prefetch_ahead(const Int8Matrix& w, int64_t n,
                                                           const int8_t* prefetch_end) {
-  const int8_t* last = std::min(w.q + (n + R) * w.K + kPrefetchBytes, prefetch_end);
-  for (const int8_t* line = w.q + n * w.K + kPrefetchBytes; line < last; line += 64) __builtin_prefetch(line);
+  prefetch_span(w.q + n * w.K + kPrefetchBytes, w.q + (n + R) * w.K + kPrefetchBytes, prefetch_end);
 }
 
 // Rows [n, n + R) with one scale a row: out = (sum of the row's products) * scale (+ bias).

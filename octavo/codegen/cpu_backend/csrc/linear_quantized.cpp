@@ -253,9 +253,7 @@ void gemv_block(const W& w, const float* x, const float* x_whole, const float* b
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(w.row_bytes(), 1));
   int64_t n = begin;
   for (; n + R <= end; n += R) {
-    // Written out, not as a call with a clamped count, which GCC 12 deletes: check the library for prefetcht0.
-    const uint8_t* last = std::min(w.row(n + R) + kPrefetchBytes, prefetch_end);
-    for (const uint8_t* line = w.row(n) + kPrefetchBytes; line < last; line += 64) __builtin_prefetch(line);
+    prefetch_span(w.row(n) + kPrefetchBytes, w.row(n + R) + kPrefetchBytes, prefetch_end);
     for (int64_t i = (n + ahead) * w.groups; i < std::min(n + R + ahead, end) * w.groups; i += 16) {
       w.prefetch_parameters(i);
     }

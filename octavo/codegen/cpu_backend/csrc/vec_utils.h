@@ -334,6 +334,14 @@ inline void prefetch_bytes(const void* data, int64_t n) {
   for (int64_t offset = 0; offset < n; offset += 64) __builtin_prefetch(static_cast<const char*>(data) + offset);
 }
 
+// Asks for the cache lines of [from, min(to, limit)): streaming kernels ask a fixed distance ahead of what they
+// read, never past their task's end. Written as a loop over the lines: GCC 12 deleted the same request made as
+// prefetch_bytes with a clamped count, so check the built library for prefetcht0 after changing it.
+__attribute__((always_inline)) inline void prefetch_span(const void* from, const void* to, const void* limit) {
+  const char* last = std::min(static_cast<const char*>(to), static_cast<const char*>(limit));
+  for (const char* line = static_cast<const char*>(from); line < last; line += 64) __builtin_prefetch(line);
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Whether this CPU executes AVX512_BF16 (asked once; the AVX-512 build runs only where AVX-512 does).
 inline bool cpu_has_avx512_bf16() {
