@@ -12,8 +12,10 @@
 // Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
 // softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h).
 // All work items of a call share one pool of threads, handed out one at a time.
+#include "paged_cache_write.h"
 #include "paged_decode.h"
 #include "paged_prefill.h"
+#include "paged_schedule.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -89,86 +91,6 @@ void chunk_partials(const Problem& p, const int32_t* blocks, int64_t head, int64
                     const float* const* queries, float* const* records, int64_t nq, Scratch& s) {
   if (const ChunkKernel<CT> kernel = direct_kernel<CT>(p)) return kernel(p, blocks, head, begin, end, queries, records, nq, s);
   chunk_partials_tiled<CT>(p, blocks, head, begin, end, queries, records, nq, s);
-}
-
-// ---- the schedule of one call ---------------------------------------------------------------------
-
-struct DecodeSeq {
-  int64_t seq, token, first_chunk, num_chunks, slot;  // slot: index of its first chunk's partial
-};
-
-enum class Kind { kPrefill, kChunk, kShared };
-
-struct Item {
-  Kind kind;
-  int64_t index;  // prefill: sequence; chunk: decode sequence; shared: shared chunk
-  int64_t value;  // prefill: first position; chunk: chunk number
-  int64_t head;
-};
-
-struct SharedChunk {
-  int64_t chunk;
-  std::vector<int64_t> members;  // decode sequences
-};
-
-struct Schedule {
-  std::vector<Item> items;
-  std::vector<DecodeSeq> decodes;
-  std::vector<SharedChunk> shared;
-  int64_t num_slots = 0;
-};
-
-int64_t chunk_tokens(int64_t block_size) { return round_up(std::max(kChunkTokens, block_size), block_size); }
-
-Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
-  Schedule schedule;
-  const int64_t chunk = chunk_tokens(p.block_size), blocks_per_chunk = chunk / p.block_size;
-  std::map<std::vector<int32_t>, std::vector<std::pair<int64_t, int64_t>>> full_chunks;  // blocks -> (decode, chunk)
-  std::vector<Item> prefill, single;
-  const int64_t rows_per_item = std::max<int64_t>(1, kPrefillRows / p.group);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
-    if (q_len == 0) continue;
-    if (q_len > 1) {
-      for (int64_t i = 0; i < q_len; i += rows_per_item) {
-        for (int64_t h = 0; h < p.num_kv_heads; ++h) prefill.push_back({Kind::kPrefill, b, seq_len - q_len + i, h});
-      }
-      continue;
-    }
-    const int64_t position = seq_len - 1;
-    const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
-    DecodeSeq decode{b, starts[b], lowest / chunk, position / chunk - lowest / chunk + 1, schedule.num_slots};
-    schedule.num_slots += decode.num_chunks;
-    const int64_t d = static_cast<int64_t>(schedule.decodes.size());
-    for (int64_t c = decode.first_chunk; c < decode.first_chunk + decode.num_chunks; ++c) {
-      if (c * chunk >= lowest && (c + 1) * chunk <= seq_len) {
-        const int32_t* row = p.block_tables + b * p.table_stride + c * blocks_per_chunk;
-        full_chunks[std::vector<int32_t>(row, row + blocks_per_chunk)].emplace_back(d, c);
-      } else {
-        for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, d, c, h});
-      }
-    }
-    schedule.decodes.push_back(decode);
-  }
-  std::vector<Item> shared;
-  for (auto& [blocks, users] : full_chunks) {
-    if (users.size() == 1) {
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, users[0].first, users[0].second, h});
-      continue;
-    }
-    SharedChunk group{users[0].second, {}};
-    for (auto& [d, c] : users) group.members.push_back(d);
-    // A block sits at one table position in every sequence (its hash covers its prefix), so c agrees; the
-    // partial does not depend on it anyway: a full chunk has no mask.
-    const int64_t index = static_cast<int64_t>(schedule.shared.size());
-    schedule.shared.push_back(std::move(group));
-    for (int64_t h = 0; h < p.num_kv_heads; ++h) shared.push_back({Kind::kShared, index, 0, h});
-  }
-  // Largest items first, so that the last ones to finish are small: prefill tiles by how many keys they
-  // attend (their last position), then shared chunks, then chunks of one sequence.
-  std::stable_sort(prefill.begin(), prefill.end(), [](const Item& a, const Item& b) { return a.value > b.value; });
-  for (auto* part : {&prefill, &shared, &single}) schedule.items.insert(schedule.items.end(), part->begin(), part->end());
-  return schedule;
 }
 
 struct Partials {
@@ -294,54 +216,6 @@ void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, in
     prefetch_item<CT>(p, schedule, seq_lens, schedule.items[index], scratch);
   };
   for_each_item_ahead<Scratch>(static_cast<int64_t>(schedule.items.size()), body, prefetch);
-}
-
-// ---- cache write ------------------------------------------------------------------------------------
-
-// dst[0:n] = round(src / scale) in the cache type; returns the scale: max|x| / 127 (int8) or / 448 (fp8), 1 for 0.
-template <typename CT>
-float quantize_row(const float* src, int64_t n, CT* dst) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(src[i]));
-  constexpr float kMax = std::is_same_v<CT, int8_t> ? 127.f : 448.f;
-  const float scale = amax == 0.f ? 1.f : amax / kMax;
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = src[i] / scale;
-    if constexpr (std::is_same_v<CT, int8_t>) {
-      dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x))));
-    } else {
-      dst[i] = static_cast<CT>(x);
-    }
-  }
-  return scale;
-}
-
-// rows [T, Hkv, dim] -> pool slots `slots` (negative slots skipped); rows are float unless `same_type`.
-template <typename CT>
-void write_pool(const at::Tensor& rows, const Pool& pool, const int64_t* slots, int64_t block_size, bool same_type) {
-  const int64_t num_tokens = rows.size(0), num_heads = rows.size(1), dim = rows.size(2);
-  // Rows are small: a decode step (a few hundred rows) writes on one thread, without a parallel region.
-  at::parallel_for(0, num_tokens * num_heads, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t t = index / num_heads, h = index % num_heads, slot = slots[t];
-      if (slot < 0) continue;
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      CT* dst = static_cast<CT*>(pool.data) + block * pool.block_stride + offset * pool.token_stride +
-                h * pool.head_stride;
-      const int64_t source = t * rows.stride(0) + h * rows.stride(1);
-      if (same_type) {
-        std::memcpy(dst, static_cast<const CT*>(rows.const_data_ptr()) + source, dim * sizeof(CT));
-        continue;
-      }
-      const float* src = rows.const_data_ptr<float>() + source;
-      if constexpr (kQuantized<CT>) {
-        pool.scales[block * pool.scale_block_stride + offset * pool.scale_token_stride + h * pool.scale_head_stride] =
-            quantize_row(src, dim, dst);
-      } else {
-        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<CT>(src[i]);
-      }
-    }
-  });
 }
 
 // ---- argument checks ----------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+// The schedule of one paged_attention call (paged_attention.cpp): its work items. Prefill and chunked-prefill
+// sequences give a tile of query positions per kv head; a decode sequence's context is cut at fixed chunk
+// boundaries (kChunkTokens, whole blocks, counted from position 0), one item per (chunk, kv head); a full chunk
+// whose blocks several decode sequences share is one shared item for all of them (cascade).
+#pragma once
+
+#include "paged_attention_types.h"
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+namespace octavo_cpu {
+namespace paged {
+
+struct DecodeSeq {
+  int64_t seq, token, first_chunk, num_chunks, slot;  // slot: index of its first chunk's partial
+};
+
+enum class Kind { kPrefill, kChunk, kShared };
+
+struct Item {
+  Kind kind;
+  int64_t index;  // prefill: sequence; chunk: decode sequence; shared: shared chunk
+  int64_t value;  // prefill: first position; chunk: chunk number
+  int64_t head;
+};
+
+struct SharedChunk {
+  int64_t chunk;
+  std::vector<int64_t> members;  // decode sequences
+};
+
+struct Schedule {
+  std::vector<Item> items;
+  std::vector<DecodeSeq> decodes;
+  std::vector<SharedChunk> shared;
+  int64_t num_slots = 0;
+};
+
+inline int64_t chunk_tokens(int64_t block_size) { return round_up(std::max(kChunkTokens, block_size), block_size); }
+
+inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
+  Schedule schedule;
+  const int64_t chunk = chunk_tokens(p.block_size), blocks_per_chunk = chunk / p.block_size;
+  std::map<std::vector<int32_t>, std::vector<std::pair<int64_t, int64_t>>> full_chunks;  // blocks -> (decode, chunk)
+  std::vector<Item> prefill, single;
+  const int64_t rows_per_item = std::max<int64_t>(1, kPrefillRows / p.group);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
+    if (q_len == 0) continue;
+    if (q_len > 1) {
+      for (int64_t i = 0; i < q_len; i += rows_per_item) {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h) prefill.push_back({Kind::kPrefill, b, seq_len - q_len + i, h});
+      }
+      continue;
+    }
+    const int64_t position = seq_len - 1;
+    const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+    DecodeSeq decode{b, starts[b], lowest / chunk, position / chunk - lowest / chunk + 1, schedule.num_slots};
+    schedule.num_slots += decode.num_chunks;
+    const int64_t d = static_cast<int64_t>(schedule.decodes.size());
+    for (int64_t c = decode.first_chunk; c < decode.first_chunk + decode.num_chunks; ++c) {
+      if (c * chunk >= lowest && (c + 1) * chunk <= seq_len) {
+        const int32_t* row = p.block_tables + b * p.table_stride + c * blocks_per_chunk;
+        full_chunks[std::vector<int32_t>(row, row + blocks_per_chunk)].emplace_back(d, c);
+      } else {
+        for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, d, c, h});
+      }
+    }
+    schedule.decodes.push_back(decode);
+  }
+  std::vector<Item> shared;
+  for (auto& [blocks, users] : full_chunks) {
+    if (users.size() == 1) {
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, users[0].first, users[0].second, h});
+      continue;
+    }
+    SharedChunk group{users[0].second, {}};
+    for (auto& [d, c] : users) group.members.push_back(d);
+    // A block sits at one table position in every sequence (its hash covers its prefix), so c agrees; the
+    // partial does not depend on it anyway: a full chunk has no mask.
+    const int64_t index = static_cast<int64_t>(schedule.shared.size());
+    schedule.shared.push_back(std::move(group));
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) shared.push_back({Kind::kShared, index, 0, h});
+  }
+  // Largest items first, so that the last ones to finish are small: prefill tiles by how many keys they
+  // attend (their last position), then shared chunks, then chunks of one sequence.
+  std::stable_sort(prefill.begin(), prefill.end(), [](const Item& a, const Item& b) { return a.value > b.value; });
+  for (auto* part : {&prefill, &shared, &single}) schedule.items.insert(schedule.items.end(), part->begin(), part->end());
+  return schedule;
+}
+
+}  // namespace paged
+}  // namespace octavo_cpu
