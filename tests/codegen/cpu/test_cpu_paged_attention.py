@@ -147,6 +147,26 @@ def test_cascade_equals_unshared_bit_for_bit(dtype, cache_dtype, cpu_kernels):
     assert torch.equal(torch.ops.octavo_cpu.paged_attention(**unshared), cascade)
 
 
+def test_a_call_with_other_block_tables_is_planned_anew(cpu_kernels):
+    """Every layer of a step reuses the previous call's schedule when lengths and tables are equal; here only the
+    tables differ: one sequence leaves the shared prefix for blocks of other contents, so its chunks must no
+    longer come from the cascade's shared partials."""
+    shapes = [(161, 1), (200, 1), (333, 1)]
+    shared = make_batch(shapes, 9, 3, 64, shared_blocks=10, seed=11)
+    assert_matches_reference(shared)
+    diverged = copy_batch(shared)
+    generator = torch.Generator().manual_seed(12)
+    fresh = {name: torch.randn((10, *shared[name].shape[1:]), generator=generator)
+             for name in ("key_cache", "value_cache")}
+    first_fresh = shared["key_cache"].shape[0]
+    for name, blocks in fresh.items():
+        diverged[name] = torch.cat([shared[name], blocks])
+    diverged["block_tables"][1, :10] = torch.arange(first_fresh, first_fresh + 10, dtype=torch.int32)
+    assert schedule(diverged)["shared"] == 2 * 3  # sequences 0 and 2 still share chunks [0, 64) and [64, 128)
+    assert_matches_reference(diverged)
+    assert_matches_reference(shared)
+
+
 def test_a_decode_gives_the_same_bits_alone_and_in_any_batch(cpu_kernels):
     batch = make_batch(MIXED, 6, 2, 64, seed=4)
     together = torch.ops.octavo_cpu.paged_attention(**copy_batch(batch))

@@ -193,7 +193,7 @@ void merge_decode(const Problem& p, const DecodeSeq& decode, int64_t head, const
 // sequence, kv head) merges them (the counter's acquire-release orders the other threads' writes before it).
 template <typename CT>
 void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
-  const Schedule schedule = plan(p, seq_lens, starts, batch);
+  const Schedule& schedule = cached_plan(p, seq_lens, starts, batch);
   const int64_t record_size = p.record_size();
   std::vector<float> storage(schedule.num_slots * p.num_kv_heads * p.group * record_size);
   const Partials partials{storage.data(), record_size, p.num_kv_heads, p.group};
