@@ -121,7 +121,9 @@ class Sampler:
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} rows "
                 f"and vocab size {self.vocab_size}"
             )
-        raw_logits = logits[:, : self.vocab_size].float()
+        # In the graph's dtype: greedy rows take the argmax of these values as they are (widening to float32 is
+        # exact and keeps their order); whatever computes on them widens them first.
+        raw_logits = logits[:, : self.vocab_size]
         processed = self._apply_bias_and_min_tokens(raw_logits, rows)
         processed = self._apply_penalties(processed, rows)
         token_ids = self._choose_tokens(processed, rows)
@@ -133,7 +135,7 @@ class Sampler:
         max_logprobs = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         num_top = None if max_logprobs is None else min(max_logprobs, self.vocab_size)
         if logprob_rows is None or len(logprob_rows) == len(rows):
-            raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
+            raw_logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
             sampled_logprobs, ranks = _logprobs_and_ranks(raw_logprobs, token_ids)
             top_logprobs = top_token_ids = None
             if num_top is not None:
@@ -149,7 +151,7 @@ class Sampler:
             top_token_ids = torch.full((count, num_top), -1, dtype=torch.int64, device=device)
         if len(logprob_rows):
             index = _int64(list(logprob_rows), device)
-            raw_logprobs = torch.log_softmax(raw_logits[index], dim=-1)
+            raw_logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)
             sampled_logprobs[index], ranks[index] = _logprobs_and_ranks(raw_logprobs, token_ids[index])
             if num_top is not None:
                 top_logprobs[index], top_token_ids[index] = raw_logprobs.topk(num_top, dim=-1)
@@ -232,7 +234,7 @@ class Sampler:
     # ----- logit processing -----
 
     def _apply_bias_and_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """`logits` with logit_bias added and min_tokens bans applied: a copy when any row has one."""
+        """`logits` with logit_bias added and min_tokens bans applied: a float32 copy when any row has one."""
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
         bias_values: list[float] = []
@@ -250,7 +252,7 @@ class Sampler:
                 banned_tokens.extend(banned)
         if not bias_rows and not banned_rows:
             return logits
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         device = logits.device
         if bias_rows:
             indices = (_int64(bias_rows, device), _int64(bias_tokens, device))
@@ -274,6 +276,7 @@ class Sampler:
         if not uses_repetition and not any(frequency) and not any(presence):
             return logits
         device = logits.device
+        logits = logits.float()
         output_counts = self._token_counts([row.output_token_ids for row in rows], device)
         if uses_repetition:
             prompt_counts = self._token_counts([row.prompt_token_ids for row in rows], device)
@@ -307,7 +310,7 @@ class Sampler:
         if not random_rows:
             return token_ids
         random_index = _int64(random_rows, logits.device)
-        probs = self._random_probs(logits[random_index], [rows[index].params for index in random_rows])
+        probs = self._random_probs(logits[random_index].float(), [rows[index].params for index in random_rows])
         noise = self._exponential_noise([rows[index].generator for index in random_rows], logits.device)
         token_ids[random_index] = row_argmax(probs / noise)
         return token_ids

@@ -181,3 +181,32 @@ def test_min_p_drops_tokens_below_fraction_of_max():
     assert_samples_follow(samples, [p / mass if t in kept else 0.0 for t, p in enumerate(probs)])
 
 
+
+
+# ----- 16-bit logits -----
+
+
+@pytest.mark.parametrize("logprob_rows", [None, [0, 2]], ids=["all-rows", "some-rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_as_their_float32_values(dtype, logprob_rows):
+    """A 16-bit graph's logits give exactly what their float32 widening (exact) gives: tokens, logprobs, ranks
+    and top logprobs of greedy (with a tie), seeded random, biased, penalized and min_tokens rows."""
+    vocab = 300
+    logits = (torch.randn(6, vocab + 4, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    logits[0, 20] = logits[0, 10] = logits[0, :vocab].max()  # tied maxima: the first index wins
+    params = [SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, logprobs=2),
+              SamplingParams(temperature=0.0, logit_bias={5: 4.0}),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7], max_tokens=None)]
+
+    def sample(values: torch.Tensor):
+        rows = [SamplingRow(p, [1, 2, 3], [4, 5], None if p.seed is None else torch.Generator().manual_seed(p.seed))
+                for p in params]
+        return Sampler(vocab, [7])(values, rows, logprob_rows)
+
+    narrow, wide = sample(logits), sample(logits.float())
+    assert narrow.token_ids[0].item() == 10
+    for name in ("token_ids", "sampled_logprobs", "sampled_ranks", "top_logprobs", "top_token_ids"):
+        torch.testing.assert_close(getattr(narrow, name), getattr(wide, name), rtol=0, atol=0, equal_nan=True)
