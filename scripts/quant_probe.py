@@ -41,6 +41,7 @@ p.add_argument("--damp-mode", default="mean")  # mean | diag | median
 p.add_argument("--act-order", action="store_true")
 p.add_argument("--sink", default="keep")  # keep | drop | cap
 p.add_argument("--clip", action="store_true", help="awq clip search before gptq")
+p.add_argument("--range-search", action="store_true", help="gptq: each group's range searched (shrinks)")
 p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
 p.add_argument("--runs", type=int, default=32)
 p.add_argument("--threads", type=int, default=1)
@@ -107,7 +108,7 @@ def quant(weight, stats, scales=None):
         if args.method == "awq":
             return fake_quantize_w4(weight, args.gs)
     h, damp = damped_hessian(2 * gram)
-    q, _ = gptq_quantize(weight, h, args.gs, damping=damp, act_order=args.act_order)
+    q, _ = gptq_quantize(weight, h, args.gs, damping=damp, act_order=args.act_order, range_search=args.range_search)
     return q.dequantize().float()
 
 

@@ -15,13 +15,20 @@ error, ``H = 2 X^T X / n`` (``octavo.ir.linear_input_stats.LinearInputStats.hess
    (``W[:, j] -= e_k U[k, j]``); after the block, all its errors update the remaining
    columns at once (``W[:, rest] -= E U[block, rest]``).
 5. Groups (the w4 layout's, ``g = k // group_size``, the last one shorter when K is not a
-   multiple): without act-order, a group's scale and offset are the RTN min/max of its
-   columns as they are when the group's first column is reached (after the feedback so
-   far); ``block_size`` is a multiple of ``group_size`` so groups never straddle blocks.
+   multiple): without act-order, a group's scale and offset are fixed from its columns as
+   they are when the group's first column is reached (after the feedback so far);
+   ``block_size`` is a multiple of ``group_size`` so groups never straddle blocks. Each row's
+   range is searched (``range_search``, the default): the min/max range [lo, hi] shrunk about
+   its middle by each factor of RANGE_SHRINKS (1 included), keeping the one whose rounding
+   error ``sum_k H[k, k] (w_k - dequantized w_k)^2`` over the group is least (the layer-output
+   error of rounding the group's columns alone, cross terms ignored: a range cut short of an
+   outlier of a little-used column buys finer steps for the rest); without it, the min/max
+   range itself (RTN's).
    With act-order, columns are processed by decreasing ``H[k, k]``; since the layout stores
    no permutation (group of column k is always ``k // group_size``), every group's scale and
    offset are fixed up front from the weight before any update ("static groups" of the
-   reference implementation) and each column is rounded with its own group's values.
+   reference implementation; searched the same way) and each column is rounded with its own
+   group's values.
 
 The rounding is the w4 layout's asymmetric form (see quantize_rtn): ``q = clamp(round((w - offset) /
 scale), 0, 15)`` with the float16 (or float32) scale and offset that are stored, so the stored
@@ -46,8 +53,10 @@ _MAX_DAMPING_RETRIES = 10
 
 
 def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: float = DEFAULT_DAMPING,
-                  act_order: bool = False, block_columns: int = DEFAULT_BLOCK_COLUMNS) -> tuple[QuantizedWeight, dict]:
-    """The w4 QuantizedWeight GPTQ gives for `weight` [N, K] under `hessian` [K, K] (see the module docstring).
+                  act_order: bool = False, block_columns: int = DEFAULT_BLOCK_COLUMNS,
+                  range_search: bool = True) -> tuple[QuantizedWeight, dict]:
+    """The w4 QuantizedWeight GPTQ gives for `weight` [N, K] under `hessian` [K, K] (see the module docstring;
+    `range_search` False: every group on its min/max range).
 
     Returns it with a record: the damping actually added (relative to mean(diag H)) and the
     number of dead (never activated) columns.
@@ -61,7 +70,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
     hessian[dead, dead] = 1.0
     work[:, dead] = 0.0
     scale_dtype = w4_scale_dtype(work)
-    static = _group_params(work, group_size, scale_dtype) if act_order else None
+    importance = torch.diagonal(hessian).clone() if range_search else None
+    static = _group_params(work, group_size, scale_dtype, importance) if act_order else None
     order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True) if act_order else None
     if order is not None:
         work, hessian = work[:, order], hessian[order][:, order]
@@ -73,7 +83,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
     block = group_size * max(1, block_columns // group_size)
     for start in range(0, columns, block):
         end = min(start + block, columns)
-        errors = _quantize_block(work, upper, levels, scales, offsets, start, end, group_size, static, order)
+        errors = _quantize_block(work, upper, levels, scales, offsets, start, end, group_size, static, order,
+                                 importance)
         work[:, end:].addmm_(errors, upper[start:end, end:], alpha=-1.0)
     if order is not None:
         levels = levels[:, torch.argsort(order)]
@@ -85,7 +96,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
 
 def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor, offsets: Tensor, start: int,
                     end: int, group_size: int, static: tuple[Tensor, Tensor] | None,
-                    order: Tensor | None) -> Tensor:
+                    order: Tensor | None, importance: Tensor | None = None) -> Tensor:
     """Round columns start..end-1 of `work` in place of `levels`, feeding each error forward; returns the errors."""
     block = work[:, start:end]  # a view: the feedback inside the block updates `work`
     inverse = upper[start:end, start:end]
@@ -98,7 +109,11 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
             group_scale, group_offset = static[0][:, group], static[1][:, group]
         elif column % group_size == 0:
             values = work[:, column:column + group_size]
-            group_scale, group_offset = w4_range_params(values.amin(1), values.amax(1), scales.dtype)
+            if importance is None:
+                group_scale, group_offset = w4_range_params(values.amin(1), values.amax(1), scales.dtype)
+            else:
+                group_scale, group_offset = _searched_range(values, importance[column:column + group_size],
+                                                            scales.dtype)
             scales[:, column // group_size], offsets[:, column // group_size] = group_scale, group_offset
         original = block[:, index]
         q = w4_levels(original, group_scale, group_offset)
@@ -109,10 +124,37 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
     return errors
 
 
-def _group_params(weight: Tensor, group_size: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """RTN (scales, offsets) [N, num_groups] of every group of `weight`, the last group possibly shorter."""
+RANGE_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per row, the (scale, offset) of the range [low, high] shrunk about its middle by the factor in
+    RANGE_SHRINKS that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group."""
+    low, high = values.amin(1), values.amax(1)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best = None
+    for shrink in RANGE_SHRINKS:
+        scale, offset = w4_range_params(middle - half * shrink, middle + half * shrink, scale_dtype)
+        q = w4_levels(values, scale[:, None], offset[:, None])
+        error = ((q * scale.float()[:, None] + offset.float()[:, None] - values) ** 2 * importance).sum(1)
+        if best is None:
+            best, best_scale, best_offset = error, scale, offset
+            continue
+        better = error < best
+        best = torch.where(better, error, best)
+        best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
+    return best_scale, best_offset
+
+
+def _group_params(weight: Tensor, group_size: int, scale_dtype: torch.dtype,
+                  importance: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(scales, offsets) [N, num_groups] of every group of `weight`, the last group possibly shorter: the RTN
+    min/max range, or with `importance` the searched range (_searched_range)."""
     columns = weight.shape[1]
     bounds = [(start, min(start + group_size, columns)) for start in range(0, columns, group_size)]
+    if importance is not None:
+        searched = [_searched_range(weight[:, a:b], importance[a:b], scale_dtype) for a, b in bounds]
+        return torch.stack([p[0] for p in searched], dim=1), torch.stack([p[1] for p in searched], dim=1)
     low = torch.stack([weight[:, a:b].amin(1) for a, b in bounds], dim=1)
     high = torch.stack([weight[:, a:b].amax(1) for a, b in bounds], dim=1)
     return w4_range_params(low, high, scale_dtype)

@@ -12,9 +12,10 @@ it does for w4-gptq. Values' origin in the manifest: "awq-gptq".
 
 Differs from w4-gptq in where the statistics come from: every linear's Hessian is the float
 model's (the one AWQ's search used), not the sequential one of a model whose earlier linears
-are already quantized; AWQ's clipping search is not run (GPTQ chooses the rounding itself and
-its min/max group ranges). A linear without statistics, or one whose fold site was left alone,
-is solved on its unscaled Hessian (none at all: RTN).
+are already quantized; AWQ's clipping search is not run (clipping the weights before GPTQ
+measured worse); GPTQ searches each group's range itself (gptq_solver, step 5). A linear
+without statistics, or one whose fold site was left alone, is solved on its unscaled Hessian
+(none at all: RTN).
 """
 
 from __future__ import annotations
@@ -65,4 +66,5 @@ class AWQGPTQScheme(AWQScheme):
         if self.progress is not None:
             self.progress.close()
         return {**super().describe(), "gptq": {"act_order": self.act_order, "damping": DEFAULT_DAMPING,
+                                                "range_search": True,
                                                 "hessian": "float model, scaled by AWQ's 1/s"}}
