@@ -108,12 +108,8 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
             group = int(order[column]) // group_size
             group_scale, group_offset = static[0][:, group], static[1][:, group]
         elif column % group_size == 0:
-            values = work[:, column:column + group_size]
-            if importance is None:
-                group_scale, group_offset = w4_range_params(values.amin(1), values.amax(1), scales.dtype)
-            else:
-                group_scale, group_offset = _searched_range(values, importance[column:column + group_size],
-                                                            scales.dtype)
+            group_scale, group_offset = _group_range(work, column, min(column + group_size, work.shape[1]),
+                                                     importance, scales.dtype)
             scales[:, column // group_size], offsets[:, column // group_size] = group_scale, group_offset
         original = block[:, index]
         q = w4_levels(original, group_scale, group_offset)
@@ -127,37 +123,39 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
 RANGE_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
+def _group_range(weight: Tensor, first: int, end: int, importance: Tensor | None,
+                 scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per row, the (scale, offset) of columns first..end-1 of `weight`: their min/max range, or with
+    `importance` the searched one (_searched_range)."""
+    values = weight[:, first:end]
+    if importance is None:
+        return w4_range_params(values.amin(1), values.amax(1), scale_dtype)
+    return _searched_range(values, importance[first:end], scale_dtype)
+
+
 def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per row, the (scale, offset) of the range [low, high] shrunk about its middle by the factor in
-    RANGE_SHRINKS that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group."""
+    RANGE_SHRINKS that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group (the first
+    such factor on ties)."""
     low, high = values.amin(1), values.amax(1)
     middle, half = (low + high) / 2, (high - low) / 2
-    best = None
-    for shrink in RANGE_SHRINKS:
-        scale, offset = w4_range_params(middle - half * shrink, middle + half * shrink, scale_dtype)
-        q = w4_levels(values, scale[:, None], offset[:, None])
-        error = ((q * scale.float()[:, None] + offset.float()[:, None] - values) ** 2 * importance).sum(1)
-        if best is None:
-            best, best_scale, best_offset = error, scale, offset
-            continue
-        better = error < best
-        best = torch.where(better, error, best)
-        best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
-    return best_scale, best_offset
+    candidates = [w4_range_params(middle - half * shrink, middle + half * shrink, scale_dtype)
+                  for shrink in RANGE_SHRINKS]
+    scales = torch.stack([scale for scale, _ in candidates])
+    offsets = torch.stack([offset for _, offset in candidates])
+    levels = w4_levels(values, scales[:, :, None], offsets[:, :, None])
+    dequantized = levels * scales.float()[:, :, None] + offsets.float()[:, :, None]
+    best = (((dequantized - values) ** 2) * importance).sum(2).argmin(0, keepdim=True)
+    return scales.gather(0, best).squeeze(0), offsets.gather(0, best).squeeze(0)
 
 
 def _group_params(weight: Tensor, group_size: int, scale_dtype: torch.dtype,
                   importance: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(scales, offsets) [N, num_groups] of every group of `weight`, the last group possibly shorter: the RTN
-    min/max range, or with `importance` the searched range (_searched_range)."""
+    """(scales, offsets) [N, num_groups] of every group of `weight` (_group_range), the last possibly shorter."""
     columns = weight.shape[1]
-    bounds = [(start, min(start + group_size, columns)) for start in range(0, columns, group_size)]
-    if importance is not None:
-        searched = [_searched_range(weight[:, a:b], importance[a:b], scale_dtype) for a, b in bounds]
-        return torch.stack([p[0] for p in searched], dim=1), torch.stack([p[1] for p in searched], dim=1)
-    low = torch.stack([weight[:, a:b].amin(1) for a, b in bounds], dim=1)
-    high = torch.stack([weight[:, a:b].amax(1) for a, b in bounds], dim=1)
-    return w4_range_params(low, high, scale_dtype)
+    ranges = [_group_range(weight, start, min(start + group_size, columns), importance, scale_dtype)
+              for start in range(0, columns, group_size)]
+    return torch.stack([scale for scale, _ in ranges], dim=1), torch.stack([offset for _, offset in ranges], dim=1)
 
 
 def _inverse_cholesky(hessian: Tensor, damping: float) -> tuple[Tensor, float]:

@@ -91,7 +91,6 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
   return schedule;
 }
 
-
 // plan() reads only these: the problem's block size, window, kv heads and group, and the batch's lengths, query
 // starts and the table entries of the blocks its sequences use.
 inline std::vector<int64_t> plan_inputs(const Problem& p, const int32_t* seq_lens, const int32_t* starts,
