@@ -320,12 +320,6 @@ class TokenizeChatRequest(StrictModel):
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
-    @model_validator(mode="after")
-    def _one_way_to_end(self) -> TokenizeChatRequest:
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        return self
-
 
 class DetokenizeRequest(StrictModel):
     """POST /detokenize."""

@@ -38,6 +38,9 @@ async def tokenize(body: dict[str, Any], request: Request) -> JSONResponse:
     context.check_model(parsed.model)
 
     if isinstance(parsed, TokenizeChatRequest):
+        if parsed.add_generation_prompt and parsed.continue_final_message:
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           param="continue_final_message")
         messages = template_messages(parsed.messages)
         tools = [tool.model_dump(exclude_unset=True) for tool in parsed.tools] if parsed.tools else None
 
