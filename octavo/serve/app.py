@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health (200 while the engine runs and the server accepts work, else 503), GET /metrics
-(Prometheus text format).
+(Prometheus text format), and vLLM's POST /tokenize, POST /detokenize, GET /version.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo import __version__
-from octavo.serve import chat, completions
+from octavo.serve import chat, completions, tokenize_routes
 from octavo.serve.async_engine import AsyncEngine, EngineDeadError
 from octavo.serve.context import ServerContext, ServerSettings
 from octavo.serve.errors import APIError, install_error_handlers
@@ -51,6 +51,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(ServerMiddleware, metrics=context.metrics, api_key=settings.api_key)  # outermost
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenize_routes.router)
     _add_service_routes(app, context)
     return app
 

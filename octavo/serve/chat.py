@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages through the artifact's chat template, streamed or not.
 
 A streamed choice starts with a `{"role": "assistant", "content": ""}` delta, carries `content`
-deltas, and ends with an empty delta holding its `finish_reason`, as OpenAI streams do.
+deltas, and ends with an empty delta holding its `finish_reason`, as OpenAI streams do. Tools reach
+the chat template with tool_choice "none" only (see `octavo.serve.tools`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from octavo.serve.protocol import ChatCompletionRequest
 from octavo.serve.sse import respond
 from octavo.serve.stream import SampleDelta
 from octavo.serve.tokenization import EncodedPrompt, render_chat
+from octavo.serve.tools import template_tools
 
 router = APIRouter()
 
@@ -35,12 +37,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, body.effective_max_tokens(), num_top)
     messages = body.template_messages()
+    tools = template_tools(body)
 
     def check_text(rendered: str) -> None:
         check_prompt_chars(rendered, context.character_bound, context.capacity, params.max_tokens, "messages")
 
     def encode(tokenizer) -> list[EncodedPrompt]:
-        return [render_chat(tokenizer, messages, check_text)]
+        return [render_chat(tokenizer, messages, check_text, tools=tools)]
 
     generation = await context.admit(1, params, encode, arrival, prompt_field="messages")
     writer = ChatWriter(context, generation, body, num_top)

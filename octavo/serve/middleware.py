@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check on /v1 routes and the count of HTTP requests by status.
+"""ASGI middleware: API-key check on /v1 routes, /tokenize and /detokenize, and the count of HTTP requests by status.
 
 Written as plain ASGI (not BaseHTTPMiddleware) so that streaming responses and the client's
 `http.disconnect` pass through untouched. The key is checked before the body is read, so a request
@@ -14,7 +14,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from octavo.serve.errors import APIError
 from octavo.serve.metrics import ServerMetrics
 
-KNOWN_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+KNOWN_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                             "/tokenize", "/detokenize", "/version"})
+# The tokenizer endpoints spend the server's tokenizer threads, so they need the key too (vLLM checks /v1 only).
+PROTECTED_ROOT_ENDPOINTS = frozenset({"/tokenize", "/detokenize"})
 
 
 class ServerMiddleware:
@@ -29,7 +32,7 @@ class ServerMiddleware:
             return
         path = scope.get("path", "")
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
-        if path.startswith("/v1") and not self._authorized(scope):
+        if (path.startswith("/v1") or path in PROTECTED_ROOT_ENDPOINTS) and not self._authorized(scope):
             self.metrics.http_requests.labels(endpoint, "401").inc()
             error = APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -12,14 +12,21 @@ vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1, repetition
 logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules (min_tokens <= max_tokens, token ids
 inside the vocabulary, greedy with n 1) are left to `SamplingParams` and the engine, whose messages
 name the field.
+
+Explicit JSON nulls: a field the OpenAI API documents as nullable takes null as its default (`n`
+null samples once, `logprobs` and `echo` null are off); vLLM's own fields are not nullable, as in
+vLLM. Chat requests take OpenAI's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`) and
+the messages of a tool conversation (assistant `tool_calls`, tool `tool_call_id`); which tool
+choices the server serves is decided by `octavo.serve.tools`.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
 """Most alternatives per token in `logprobs` / `top_logprobs` (vLLM's default max_logprobs)."""
@@ -44,7 +51,24 @@ def valid_unicode(text: str) -> str:
     return text
 
 
+def valid_unicode_json(value: Any) -> Any:
+    """`value` unless a key or string anywhere inside it holds a surrogate code point (walked without recursion)."""
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, str):
+            valid_unicode(node)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                valid_unicode(key)
+                pending.append(item)
+        elif isinstance(node, list):
+            pending.extend(node)
+    return value
+
+
 Text = Annotated[str, AfterValidator(valid_unicode)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenIds = list[TokenId]
 
@@ -53,12 +77,28 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+class NullMeansDefault(StrictModel):
+    """A model whose fields named in `NULL_MEANS_DEFAULT` take an explicit null as their default."""
+
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_MEANS_DEFAULT):
+            return {name: value for name, value in data.items()
+                    if not (value is None and name in cls.NULL_MEANS_DEFAULT)}
+        return data
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(NullMeansDefault):
     """The fields both endpoints share; `SamplingParams` validates their ranges."""
+
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n"})
 
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
@@ -88,7 +128,12 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt`: text, token ids, or a list of either (one request per prompt)."""
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (one request per prompt).
+
+    `max_tokens` null is up to the model's length (as vLLM reads it), absent 16 (OpenAI's default).
+    """
+
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n", "echo"})
 
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
@@ -111,13 +156,71 @@ class TextContentPart(StrictModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+"""OpenAI's rule for function names: letters, digits, underscores and dashes, at most 64."""
+
+
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def json_arguments(arguments: str) -> str:
+    """`arguments` unless it is neither empty nor JSON text (whose strings must be valid Unicode too)."""
+    if arguments.strip():
+        try:
+            valid_unicode_json(json.loads(arguments))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the arguments are not JSON: {error}") from None
+        except RecursionError:  # other ValueErrors (a lone surrogate, a 5000-digit number) say what is wrong
+            raise ValueError("the arguments nest too deeply") from None
+    return arguments
+
+
+class FunctionCall(StrictModel):
+    name: Text
+    arguments: Annotated[Text, AfterValidator(json_arguments)]
+
+
+class ToolCall(StrictModel):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not to a {self.role} message")
+        return self
 
     def text(self) -> str:
-        """The message's text (content parts are concatenated)."""
+        """The message's text (content parts are concatenated; null content, as beside tool calls, is empty)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -129,8 +232,13 @@ class ResponseFormat(StrictModel):
     type: Literal["text"]
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. The messages go through the artifact's chat template."""
+
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n", "logprobs"})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
@@ -138,17 +246,83 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # null or absent: "auto" with tools, "none" without (OpenAI)
+    parallel_tool_calls: bool | None = None  # accepted; no tool calls are produced to run in parallel
+    # The deprecated predecessors of tools / tool_choice, accepted only as null.
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _only_null(cls, value: Any, info) -> Any:
+        if value is not None:
+            newer = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"`{info.field_name}` is deprecated in the OpenAI API and not supported here; "
+                             f"use `{newer}`")
+        return value
 
     def effective_max_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer name) wins over `max_tokens`; None = up to the model length."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict]:
-        """The messages as the chat template expects them (`developer` is the newer name of `system`)."""
-        rendered = []
-        for message in self.messages:
-            entry = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-            if message.name is not None:
-                entry["name"] = message.name
-            rendered.append(entry)
-        return rendered
+        """The messages as the chat template expects them."""
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages in the shape Hugging Face chat templates read.
+
+    `developer` is the newer name of `system`. Tool-call arguments arrive as JSON text and are given
+    to the template parsed, as transformers documents them (and vLLM passes them); an empty text is
+    no arguments.
+    """
+    rendered = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                 "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": parsed_arguments(call.function.arguments)}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        rendered.append(entry)
+    return rendered
+
+
+def parsed_arguments(arguments: str) -> Any:
+    """Tool-call arguments (JSON text, checked by `json_arguments`) as a value; "" is no arguments ({})."""
+    return json.loads(arguments) if arguments.strip() else {}
+
+
+class TokenizePromptRequest(StrictModel):
+    """POST /tokenize with a text prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(StrictModel):
+    """POST /tokenize with messages (and tools), rendered by the chat template (vLLM's TokenizeChatRequest)."""
+
+    model: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize."""
+
+    model: Text | None = None
+    tokens: TokenIds

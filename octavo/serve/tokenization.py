@@ -91,16 +91,22 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> E
     return EncodedPrompt(token_ids, text, first_text)
 
 
-def render_chat(tokenizer: Any, messages: list[dict], check_text: Callable[[str], None]) -> EncodedPrompt:
-    """`messages` through the chat template with the assistant turn opened (as LLM.chat), then tokenized.
+def render_chat(tokenizer: Any, messages: list[dict], check_text: Callable[[str], None] | None = None, *,
+                tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> EncodedPrompt:
+    """`messages` (and `tools`) through the chat template, then tokenized.
 
-    `check_text` sees the rendered text before it is tokenized (and may reject it).
+    By default the assistant turn is opened (as LLM.chat) and no special tokens are added beyond
+    those the template writes. `check_text` sees the rendered text before it is tokenized (and may
+    reject it).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=False)
     except Exception as error:  # a template may raise anything on messages it does not accept
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    check_text(rendered)
-    return EncodedPrompt(encode(tokenizer, rendered, add_special_tokens=False))
+    if check_text is not None:
+        check_text(rendered)
+    return EncodedPrompt(encode(tokenizer, rendered, add_special_tokens=add_special_tokens))

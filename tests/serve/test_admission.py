@@ -47,6 +47,10 @@ def test_api_key_is_required_on_v1_routes(server):
     assert completion(server, AUTH).status_code == 200
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # probes need no key
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/version", timeout=10).status_code == 200
+    for path, body in [("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1, 2]})]:  # tokenizer work: keyed
+        assert httpx.post(f"{server.url}{path}", json=body, timeout=10).status_code == 401
+        assert httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=10).status_code == 200
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()

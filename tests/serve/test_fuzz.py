@@ -83,11 +83,21 @@ COMPLETION_FIELDS = {
     "echo": st.booleans() | json_values,
     "suffix": texts | json_values,
 }
+tool_arguments = texts | st.sampled_from(['{"city": "Paris"}', "", '"\\ud800"', "[" * 5000 + "]" * 5000, "1" * 5000])
+tool_calls = st.fixed_dictionaries({"id": texts, "type": st.just("function") | json_values,
+                                    "function": st.fixed_dictionaries({"name": texts, "arguments": tool_arguments})})
+tools = st.fixed_dictionaries({"type": st.just("function") | json_values, "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_weather", "", "x" * 65]) | texts},
+    optional={"description": texts | json_values,
+              "parameters": st.dictionaries(st.text(any_character, max_size=6), json_values, max_size=3) | json_values,
+              "strict": st.booleans() | json_values})})
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | json_values},
     optional={"content": st.one_of(texts, st.none(), st.lists(st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "image_url"]), "text": texts}), max_size=2), json_values),
-              "name": texts | json_values}), max_size=3)
+              "name": texts | json_values,
+              "tool_calls": st.lists(tool_calls, max_size=2) | json_values,
+              "tool_call_id": texts | json_values}), max_size=3)
 CHAT_FIELDS = {
     **SHARED_FIELDS,
     "messages": messages | json_values,
@@ -95,6 +105,10 @@ CHAT_FIELDS = {
     "logprobs": st.booleans() | json_values,
     "top_logprobs": st.integers(min_value=-1, max_value=25) | json_values,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}) | json_values,
+    "tools": st.lists(tools, max_size=2) | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}}]) | json_values,
+    "parallel_tool_calls": st.booleans() | json_values,
 }
 BASES = {
     "/v1/completions": ({"model": "test-model", "prompt": "Hello", "max_tokens": 4}, COMPLETION_FIELDS, "prompt"),

@@ -1,0 +1,52 @@
+"""Explicit JSON nulls for the fields the OpenAI API documents as nullable: accepted, and the same as leaving them out.
+
+Greedy requests with the nulls must give the same text, tokens and usage as the same request without them.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+COMPLETION = {"model": "test-model", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
+        "temperature": 0}
+COMPLETION_NULLS = ["n", "echo", "logprobs", "suffix", "stop", "seed", "stream", "stream_options", "logit_bias",
+                    "top_p", "presence_penalty", "frequency_penalty", "user", "metadata", "store", "service_tier"]
+CHAT_NULLS = ["n", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools", "tool_choice",
+              "parallel_tool_calls", "functions", "function_call", "stop", "seed", "stream", "stream_options",
+              "logit_bias", "top_p", "presence_penalty", "frequency_penalty", "user", "metadata", "store",
+              "service_tier"]
+
+
+def answer(server, path: str, body: dict) -> dict:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    return {"choices": payload["choices"], "usage": payload["usage"]}
+
+
+@pytest.mark.parametrize(("path", "base", "nullable"), [("/v1/completions", COMPLETION, COMPLETION_NULLS),
+                                                       ("/v1/chat/completions", CHAT, CHAT_NULLS)])
+def test_nulls_are_the_defaults(tiny_server, path, base, nullable):
+    expected = answer(tiny_server, path, base)
+    assert expected["usage"]["completion_tokens"] == 6
+    assert answer(tiny_server, path, {**base, **dict.fromkeys(nullable)}) == expected
+
+
+def test_a_nullable_field_keeps_its_type_and_range(tiny_server):
+    for path, base, field, value in [("/v1/completions", COMPLETION, "n", 0),
+                                     ("/v1/completions", COMPLETION, "echo", 1),
+                                     ("/v1/chat/completions", CHAT, "logprobs", "yes"),
+                                     ("/v1/chat/completions", CHAT, "parallel_tool_calls", 1),
+                                     ("/v1/completions", COMPLETION, "ignore_eos", None)]:
+        response = httpx.post(f"{tiny_server.url}{path}", json={**base, field: value}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+
+
+def test_deprecated_function_fields_are_refused_unless_null(tiny_server):
+    for field, value, newer in [("functions", [{"name": "f"}], "tools"), ("function_call", "auto", "tool_choice")]:
+        response = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**CHAT, field: value}, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field, response.text
+        assert "deprecated" in error["message"] and f"`{newer}`" in error["message"]

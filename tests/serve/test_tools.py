@@ -1,0 +1,140 @@
+"""Tools on `octavo serve`: tool_choice "none" renders them into the prompt; choices needing tool-call parsing are 400.
+
+The tiny llama is compiled here with a chat template that renders tools and tool conversations (the
+bundled model's template ignores both), so that a prompt with tools differs from one without. The
+reference is that tokenizer's own `apply_chat_template`, given the tools and the messages in the
+shape transformers documents (tool-call arguments as a dict).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.serve.server_process import running_server
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou can call these functions:\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "<tool_call>{{ {'id': call.id, 'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "</tool_call>{%- endfor %}"
+    "{%- if message.tool_call_id %} [result of {{ message.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CONVERSATION = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+# The same conversation as transformers' chat templates read it.
+TEMPLATE_CONVERSATION = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+    {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+
+
+@pytest.fixture(scope="module")
+def tool_artifact(tiny_model_dir, tmp_path_factory):
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    source = tmp_path_factory.mktemp("tiny-tools") / "model"
+    shutil.copytree(tiny_model_dir("llama"), source)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(source)
+    return compile_model(source, tmp_path_factory.mktemp("artifact-tools") / "artifact", CompileConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_artifact):
+    from octavo.ir.artifact_format import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(tool_artifact / TOKENIZER_DIR, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def server(tool_artifact, tmp_path_factory):
+    with running_server(tool_artifact, tmp_path_factory.mktemp("serve-tools"), "--num-kv-blocks", "64",
+                        "--max-model-len", "256") as server:
+        yield server
+
+
+def reference_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def chat(server, **fields) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"model": server.model, "max_tokens": 4, "temperature": 0, **fields})
+
+
+def test_tool_choice_none_renders_the_tools_into_the_prompt(server, tokenizer):
+    expected = reference_ids(tokenizer, MESSAGES, [WEATHER])
+    assert expected != reference_ids(tokenizer, MESSAGES, None)
+    assert "get_weather" in tokenizer.decode(expected)
+    response = chat(server, messages=MESSAGES, tools=[WEATHER], tool_choice="none", parallel_tool_calls=False)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["usage"]["prompt_tokens"] == len(expected)
+    message = payload["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "tools": [WEATHER]}, timeout=60)
+    assert tokenized.json()["tokens"] == expected
+
+
+def test_a_tool_conversation_reaches_the_template_in_transformers_shape(server, tokenizer):
+    expected = reference_ids(tokenizer, TEMPLATE_CONVERSATION, [WEATHER])
+    assert '{"city": "Paris"}' in tokenizer.decode(expected)  # the arguments rendered as an object, not a string
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": CONVERSATION, "tools": [WEATHER]}, timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == expected
+    response = chat(server, messages=CONVERSATION, tools=[WEATHER], tool_choice="none")
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tools": [WEATHER]}, "does not parse tool calls"),  # OpenAI's default with tools is "auto"
+    ({"tools": [WEATHER], "tool_choice": None}, "does not parse tool calls"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "--enable-auto-tool-choice and --tool-call-parser"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "does not parse tool calls"),
+    ({"tools": [WEATHER], "tool_choice": NAMED}, 'tool_choice "none"'),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "does not match any of the specified `tools`"),
+    ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tool_choice": NAMED}, "When using `tool_choice`, `tools` must be set."),
+])
+def test_tool_choices_that_need_tool_call_parsing_are_400(server, fields, message):
+    response = chat(server, messages=MESSAGES, **fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and message in error["message"], error
+
+
+def test_tool_definitions_and_calls_are_validated(server):
+    bad_tool = {"type": "function", "function": {"name": "has space"}}
+    bad_call = {**CALL, "function": {"name": "get_weather", "arguments": "{not json"}}
+    for fields, param in [
+        ({"tools": [bad_tool], "tool_choice": "none"}, "tools.0.function.name"),
+        ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}], "tool_choice": "none"}, "tools.0.type"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [bad_call]}]},
+         "messages.1.tool_calls.0.function.arguments"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0"),
+    ]:
+        response = chat(server, **{"messages": MESSAGES, **fields})
+        assert response.status_code == 400, (fields, response.text)
+        assert response.json()["error"]["param"] == param, (fields, response.text)
+    # "required" with no tools at all is "none", as OpenAI (and vLLM) take it.
+    assert chat(server, messages=MESSAGES, tools=[], tool_choice="required").status_code == 200
