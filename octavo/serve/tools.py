@@ -3,8 +3,9 @@
 The server behaves like vLLM started without `--enable-auto-tool-choice` and `--tool-call-parser`:
 it never parses tool calls out of the model's text and never constrains decoding to a tool's
 schema. `tool_choice` "none" (the default without tools) passes the tool definitions to the chat
-template, which renders them into the prompt, and the completion comes back as text. "auto"
-(OpenAI's default when tools are given), "required" and a named function would need one of those
+template, which renders them into the prompt, and the completion comes back as text (an explicit
+null `tool_choice` is "none" too, as vLLM reads it). "auto" (OpenAI's default when tools are given
+and `tool_choice` is absent), "required" and a named function would need one of those
 two, so they are refused with a 400 that says so (vLLM refuses "auto" alike; it serves "required"
 and named functions through guided decoding, which Octavo has not). As in vLLM, `tool_choice`
 other than "none" needs `tools`, a named function must be one of them, and "required" with an
@@ -25,8 +26,8 @@ def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The tool definitions for the chat template (None without tools), or a 400 for a choice not served here."""
     tools = body.tools
     choice = body.tool_choice
-    if choice is None:
-        choice = "auto" if tools else "none"
+    if choice is None:  # absent: OpenAI's default; an explicit null reads as "none", as vLLM reads it
+        choice = "auto" if tools and "tool_choice" not in body.model_fields_set else "none"
     if choice == "none":
         return [tool.model_dump(exclude_unset=True) for tool in tools] if tools else None
     if tools is None:

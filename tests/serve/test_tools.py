@@ -89,6 +89,13 @@ def test_tool_choice_none_renders_the_tools_into_the_prompt(server, tokenizer):
     assert tokenized.json()["tokens"] == expected
 
 
+def test_an_explicit_null_tool_choice_is_none(server, tokenizer):
+    expected = reference_ids(tokenizer, MESSAGES, [WEATHER])
+    response = chat(server, messages=MESSAGES, tools=[WEATHER], tool_choice=None)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
 def test_a_tool_conversation_reaches_the_template_in_transformers_shape(server, tokenizer):
     expected = reference_ids(tokenizer, TEMPLATE_CONVERSATION, [WEATHER])
     assert '{"city": "Paris"}' in tokenizer.decode(expected)  # the arguments rendered as an object, not a string
@@ -105,7 +112,6 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"tools": [WEATHER]}, "does not parse tool calls"),  # OpenAI's default with tools is "auto"
-    ({"tools": [WEATHER], "tool_choice": None}, "does not parse tool calls"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "--enable-auto-tool-choice and --tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": "required"}, "does not parse tool calls"),
     ({"tools": [WEATHER], "tool_choice": NAMED}, 'tool_choice "none"'),
