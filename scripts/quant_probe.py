@@ -27,7 +27,13 @@ import torch
 from octavo.eval.corpus import calibration_text, read_text
 from octavo.eval.perplexity import plan_windows, tokenize_text
 from octavo.frontend.sources import load_model
-from octavo.passes.awq_search import clip_groups, gram_blocks, search_clip, search_scales
+from octavo.passes.awq_search import (
+    clamp_groups,
+    gram_blocks,
+    grid_cuts,
+    search_range,
+    search_scales,
+)
 from octavo.passes.gptq_solver import gptq_quantize
 from octavo.passes.quant_schemes import Calibration
 from octavo.passes.quantize_rtn import fake_quantize_w4
@@ -40,8 +46,11 @@ p.add_argument("--damp", type=float, default=0.01)
 p.add_argument("--damp-mode", default="mean")  # mean | diag | median
 p.add_argument("--act-order", action="store_true")
 p.add_argument("--sink", default="keep")  # keep | drop | cap
-p.add_argument("--clip", action="store_true", help="awq clip search before gptq")
+p.add_argument("--clip", action="store_true", help="awq range search before gptq")
 p.add_argument("--range-search", action="store_true", help="gptq: each group's range searched (shrinks)")
+p.add_argument("--awq-range", default="grid", help="awq range search: grid (each end cut on its own) | mid")
+p.add_argument("--range-steps", type=int, default=6, help="cuts per end: 0 .. --range-max in this many steps")
+p.add_argument("--range-max", type=float, default=0.25, help="largest cut, a fraction of the group's range")
 p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
 p.add_argument("--runs", type=int, default=32)
 p.add_argument("--threads", type=int, default=1)
@@ -103,8 +112,13 @@ def quant(weight, stats, scales=None):
         inv = 1.0 / scales
         gram = gram * inv[None] * inv[:, None]
     if args.method == "awq" or args.clip:
-        bound = search_clip(weight, gram_blocks(gram, args.gs), args.gs)
-        weight = clip_groups(weight, bound, args.gs)
+        if args.awq_range == "mid":
+            steps = [args.range_max * i / (args.range_steps - 1) for i in range(args.range_steps)]
+            cuts = tuple((t, t) for t in steps)
+        else:
+            cuts = grid_cuts(args.range_steps, args.range_max)
+        low, high = search_range(weight, gram_blocks(gram, args.gs), args.gs, cuts)
+        weight = clamp_groups(weight, low, high, args.gs)
         if args.method == "awq":
             return fake_quantize_w4(weight, args.gs)
     h, damp = damped_hessian(2 * gram)

@@ -1,4 +1,4 @@
-"""AWQ's searches (Lin et al. 2023) for one group of linears that read the same input: scales, then clipping.
+"""AWQ's searches (Lin et al. 2023) for one group of linears that read the same input: scales, then ranges.
 
 Scale search. With ``m[j] = mean |x_j|`` over the calibration tokens (per input channel),
 each ``alpha`` of the grid gives ``s = m ** alpha`` (clamped below at 1e-4), normalized by
@@ -10,11 +10,15 @@ over the group's weights (the Gram matrix gives it exactly without keeping the r
 alpha with the smallest loss wins (alpha = 0, s = 1, is plain RTN, so the chosen scales never
 do worse than RTN on that loss).
 
-Clipping search. For each row n and group g of a (scaled) weight, the range is clamped to
-``[-c, c]`` with ``c = max|w| * (1 - i / 20)`` for i in 0..9 before RTN; the error of that
-group's part of the output over every calibration token is ``d^T G_g d`` with ``d`` the
-group's weight error and ``G_g`` the group's diagonal block of ``X^T X``; the c with the
-smallest error wins, per row and group (i = 0 is no clipping).
+Range search (asymmetric clipping). For each row n and group g of a (scaled) weight, the
+group's min/max range [lo, hi] loses the fractions (bottom, top) of its width at its ends,
+each fraction one of 0, 0.05, ..., 0.25 (36 pairs); values outside the range round to its
+ends. The error of that group's part of the output over every calibration token is
+``d^T G_g d`` with ``d`` the group's weight error and ``G_g`` the group's diagonal block of
+``X^T X``; the range of least error wins, per row and group ((0, 0), no clipping, is a
+candidate, so it never does worse than RTN of the same weight on that error). The paper's
+search clips symmetrically to ``[-c, c]``; the w4 layout is asymmetric (an offset per group),
+so each end is searched on its own.
 """
 
 from __future__ import annotations
@@ -22,11 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octavo.passes.quantize_rtn import fake_quantize_w4
+from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_levels, w4_range_params, w4_scale_dtype
 
 DEFAULT_ALPHA_GRID = tuple(index / 20 for index in range(20))
-CLIP_STEPS = 20
-CLIP_MAX_SHRINK = 0.5
 _MIN_SCALE = 1e-4
 
 
@@ -72,38 +74,49 @@ def gram_blocks(gram: Tensor, group_size: int) -> Tensor:
     return blocks[torch.arange(groups), :, torch.arange(groups), :]
 
 
-def search_clip(weight: Tensor, blocks: Tensor, group_size: int) -> Tensor:
-    """Per row and group, the clipping bound c [N, num_groups] that minimizes the group's output error (see above).
+def grid_cuts(steps: int, largest: float) -> tuple[tuple[float, float], ...]:
+    """Every (bottom, top) pair of fractions i * largest / (steps - 1), i in 0..steps-1: cut from each end."""
+    fractions = [largest * index / max(steps - 1, 1) for index in range(steps)]
+    return tuple((bottom, top) for bottom in fractions for top in fractions)
 
-    `blocks` is gram_blocks' [num_groups, gs, gs] of this weight's input (scaled like the weight's columns).
+
+RANGE_STEPS = 6
+RANGE_LARGEST_CUT = 0.25
+DEFAULT_RANGE_CUTS = grid_cuts(RANGE_STEPS, RANGE_LARGEST_CUT)
+
+
+def search_range(weight: Tensor, blocks: Tensor, group_size: int,
+                 cuts: tuple[tuple[float, float], ...] = DEFAULT_RANGE_CUTS) -> tuple[Tensor, Tensor]:
+    """Per row and group, the range (low, high) [N, num_groups] of least output error ``d^T G_g d``.
+
+    Each candidate cuts the fractions (bottom, top) of the group's min/max range [lo, hi] from
+    its ends: ``low = lo + bottom (hi - lo)``, ``high = hi - top (hi - lo)``; d is the group's
+    error when it is rounded to w4 on that range (values outside it take the nearest end).
+    The first candidate of least error wins; grid_cuts puts (0, 0), RTN's own range, first.
+    `blocks` is gram_blocks' [num_groups, gs, gs] of this weight's input (scaled like the weight's
+    columns); their zero padding leaves a short last group's padded columns out of its error.
     """
-    weight = weight.float()
-    rows = weight.shape[0]
-    original_max = _grouped_abs_max(weight, group_size)
-    best_error = torch.full_like(original_max, float("inf"))
-    best_bound = original_max.clone()
-    for step in range(int(CLIP_MAX_SHRINK * CLIP_STEPS)):
-        bound = original_max * (1 - step / CLIP_STEPS)
-        clipped = clip_groups(weight, bound, group_size)
-        error = _padded(fake_quantize_w4(clipped, group_size) - weight, group_size).view(rows, -1, group_size)
+    grouped = grouped_columns(weight.float(), group_size)
+    scale_dtype = w4_scale_dtype(weight)
+    lowest, highest = grouped.amin(-1), grouped.amax(-1)
+    width = highest - lowest
+    best_error = torch.full_like(lowest, float("inf"))
+    best_low, best_high = lowest.clone(), highest.clone()
+    for bottom, top in cuts:
+        low, high = lowest + bottom * width, highest - top * width
+        scales, offsets = w4_range_params(low, high, scale_dtype)
+        scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
+        error = w4_levels(grouped, scales, offsets) * scales.float() + offsets.float() - grouped
         group_error = torch.einsum("ngi,gij,ngj->ng", error, blocks, error)
         better = group_error < best_error
         best_error = torch.where(better, group_error, best_error)
-        best_bound = torch.where(better, bound, best_bound)
-    return best_bound
+        best_low, best_high = torch.where(better, low, best_low), torch.where(better, high, best_high)
+    return best_low, best_high
 
 
-def clip_groups(weight: Tensor, bound: Tensor, group_size: int) -> Tensor:
-    """`weight` [N, K] clamped to [-bound, bound] per row and group (bound [N, num_groups])."""
-    expanded = bound.repeat_interleave(group_size, dim=1)[:, :weight.shape[1]]
-    return torch.maximum(torch.minimum(weight.float(), expanded), -expanded)
-
-
-def _grouped_abs_max(weight: Tensor, group_size: int) -> Tensor:
-    return _padded(weight.abs(), group_size).view(weight.shape[0], -1, group_size).amax(-1)
-
-
-def _padded(values: Tensor, group_size: int) -> Tensor:
-    """[n, K] -> [n, num_groups * group_size], the extra columns zero."""
-    missing = -values.shape[1] % group_size
-    return torch.nn.functional.pad(values, (0, missing)) if missing else values
+def clamp_groups(weight: Tensor, low: Tensor, high: Tensor, group_size: int) -> Tensor:
+    """`weight` [N, K] clamped to [low, high] per row and group (each [N, num_groups])."""
+    columns = weight.shape[1]
+    low = low.repeat_interleave(group_size, dim=1)[:, :columns]
+    high = high.repeat_interleave(group_size, dim=1)[:, :columns]
+    return torch.minimum(torch.maximum(weight.float(), low), high)

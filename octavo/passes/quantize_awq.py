@@ -18,18 +18,19 @@ multiplied and divided weights. A site is left alone when a linear of it has no 
 or keeps a value supplied already quantized (a GGUF Q4 tensor at the scheme's group size,
 which quantize_weights stores as it is).
 
-``quantize_linear`` then clips each (scaled) weight per row and group by
-awq_search.search_clip, on the input's Gram matrix divided by ``s s^T`` (the input after the
-fold), and rounds it to the w4 layout by RTN (quantize_rtn.quantize_w4): the packed layout
-every w4 artifact has. The values' origin in the manifest is "awq".
+``quantize_linear`` then chooses each (scaled) weight's range per row and group by
+awq_search.search_range, on the input's Gram matrix divided by ``s s^T`` (the input after the
+fold), clamps the weight to it and rounds it to the w4 layout by RTN (quantize_rtn.quantize_w4):
+the packed layout every w4 artifact has. The values' origin in the manifest is "awq".
 
 Follows the AWQ paper and its reference code in: the ``s = mean|x| ** alpha`` grid of 20
 alphas, normalized scales, folding into the preceding op, the per-group clipping search of
-``max|w|``. Simplified: the statistics come from one run of the float model (the reference
+``max|w|``, searched here as each end of the asymmetric range on its own (the w4 layout has an
+offset per group). Simplified: the statistics come from one run of the float model (the reference
 re-runs each block on the outputs of the already scaled blocks before it); the loss is each
 fused linear's own output error (the reference measures the whole attention or MLP block's
 output); o_proj is not folded into v (the reference folds it only when the shapes match,
-which GQA models such as SmolLM2 do not); clipping is searched for q and k too.
+which GQA models such as SmolLM2 do not); ranges are searched for q and k too.
 """
 
 from __future__ import annotations
@@ -44,10 +45,16 @@ from torch.fx import GraphModule, Node
 from tqdm.auto import tqdm
 
 from octavo.ir.quantized_layout import W4, QuantizedWeight
-from octavo.passes.awq_search import clip_groups, gram_blocks, search_clip, search_scales
+from octavo.passes.awq_search import (
+    DEFAULT_RANGE_CUTS,
+    clamp_groups,
+    gram_blocks,
+    search_range,
+    search_scales,
+)
 from octavo.passes.pattern_utils import is_call
 from octavo.passes.quant_schemes import QuantScheme, weight_input_stats
-from octavo.passes.quantize_rtn import quantize_w4
+from octavo.passes.quantize_rtn import quantize_w4, w4_scale_dtype
 from octavo.passes.quantize_weights import keeps_supplied, provided_value
 
 logger = logging.getLogger(__name__)
@@ -108,13 +115,19 @@ class AWQScheme(QuantScheme):
         if name in self.input_scales:
             inverse = 1.0 / self.input_scales[name]
             gram = gram * inverse.unsqueeze(0) * inverse.unsqueeze(1)
-        bound = search_clip(weight, gram_blocks(gram, self.group_size), self.group_size)
-        quantized = quantize_w4(clip_groups(weight, bound, self.group_size), self.group_size)
+        low, high = search_range(weight, gram_blocks(gram, self.group_size), self.group_size)
+        quantized = quantize_w4(clamp_groups(weight, low, high, self.group_size), self.group_size,
+                                w4_scale_dtype(weight))
         quantized.origin = "awq"
         return quantized
 
     def describe(self) -> dict:
-        return {**super().describe(), "awq": self.record}
+        return {**super().describe(), "awq": {**self.record, **self.rounding_record()}}
+
+    def rounding_record(self) -> dict:
+        """How quantize_linear picks each group's range, for the manifest."""
+        cuts = sorted({round(bottom, 4) for bottom, _ in DEFAULT_RANGE_CUTS})
+        return {"range_search": {"cut_from_each_end": cuts, "of": "the group's max - min"}}
 
 
 def fold_sites(graph_module: GraphModule, ctx) -> list[FoldSite]:

@@ -62,6 +62,10 @@ class AWQGPTQScheme(AWQScheme):
             self.progress.update()
         return quantized
 
+    def rounding_record(self) -> dict:
+        """None of AWQ's range search: GPTQ chooses the ranges (recorded under "gptq")."""
+        return {}
+
     def describe(self) -> dict:
         if self.progress is not None:
             self.progress.close()

@@ -31,7 +31,7 @@ def quantize_w8(weight: Tensor, group_size: int | None = None) -> QuantizedWeigh
     """Symmetric int8 RTN; group_size None means one scale per output channel."""
     weight = weight.float()
     group = group_size or weight.shape[1]
-    grouped = _grouped(weight, group)
+    grouped = grouped_columns(weight, group)
     scales = grouped.abs().amax(-1) / 127.0
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = torch.round(grouped / scales.unsqueeze(-1)).clamp(-127, 127)
@@ -44,7 +44,7 @@ def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None
     weight = weight.float()
     if weight.shape[1] % 2:
         raise ValueError(f"w4 needs an even number of input features, got {weight.shape[1]}")
-    grouped = _grouped(weight, group_size)
+    grouped = grouped_columns(weight, group_size)
     scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
     q = w4_levels(grouped, scales.unsqueeze(-1), offsets.unsqueeze(-1))
     qweight = pack_int4(_ungrouped(q, weight.shape[1]).to(torch.uint8))
@@ -54,7 +54,7 @@ def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None
 def fake_quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None) -> Tensor:
     """``quantize_w4(weight, group_size, scale_dtype).dequantize()`` without packing: the float32 weight RTN stores."""
     weight = weight.float()
-    grouped = _grouped(weight, group_size)
+    grouped = grouped_columns(weight, group_size)
     scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
     scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
     dequantized = w4_levels(grouped, scales, offsets) * scales.float() + offsets.float()
@@ -91,7 +91,7 @@ def quantize_fp8(weight: Tensor) -> QuantizedWeight:
     return QuantizedWeight(FP8, qweight, scales.contiguous())
 
 
-def _grouped(weight: Tensor, group_size: int) -> Tensor:
+def grouped_columns(weight: Tensor, group_size: int) -> Tensor:
     """[N, K] -> [N, G, group_size]; the last group is padded by repeating its first column.
 
     Repeating a real value of the group (rather than padding zeros) leaves the group's

@@ -6,7 +6,14 @@ import torch
 
 from octavo.ir.linear_input_stats import LinearInputStats
 from octavo.passes import run_pipeline
-from octavo.passes.awq_search import clip_groups, gram_blocks, output_error, search_clip, search_scales
+from octavo.passes.awq_search import (
+    DEFAULT_RANGE_CUTS,
+    clamp_groups,
+    gram_blocks,
+    output_error,
+    search_range,
+    search_scales,
+)
 from octavo.passes.quant_schemes import scheme_for
 from octavo.passes.quantize_rtn import fake_quantize_w4, quantize_w4
 from tests.passes.calibration_harness import calibrated_context, fused_llama
@@ -68,29 +75,41 @@ def test_scales_protect_the_channels_of_large_activations():
     assert min(losses) == losses[int(alpha * 20)]
 
 
-def test_clipping_picks_per_group_the_bound_of_least_output_error():
-    """Checked against trying every bound of the search on one group directly."""
-    generator = torch.Generator().manual_seed(3)
-    inputs = torch.randn(300, 32, generator=generator)
-    weight = torch.randn(8, 32, generator=generator)
-    stats = LinearInputStats(32)
+def test_the_range_search_picks_per_group_the_range_of_least_output_error():
+    """Against rounding every candidate range of each group directly and measuring its output error on the rows.
+
+    40 columns in groups of 16: the last group has 8. The errors are measured here on the inputs themselves
+    (float32 sums over 300 rows, relative rounding ~1e-6) and in the search through the Gram blocks, so the
+    chosen range must be the least of the candidates within 1e-4 relative, and never worse than the group's
+    own min/max range (no clipping, RTN).
+    """
+    generator = torch.Generator().manual_seed(4)
+    inputs = torch.randn(300, 40, generator=generator) * torch.linspace(0.2, 3, 40)
+    weight = torch.randn(8, 40, generator=generator) + torch.linspace(-0.5, 0.5, 8).unsqueeze(1)
+    stats = LinearInputStats(40)
     stats.add(inputs)
-    bound = search_clip(weight, gram_blocks(stats.gram, GROUP), GROUP)
+    low, high = search_range(weight, gram_blocks(stats.gram, GROUP), GROUP)
+    chosen = clamp_groups(weight, low, high, GROUP)
+    cut_any = False
     for row in range(8):
-        for group in range(2):
-            columns = slice(group * GROUP, (group + 1) * GROUP)
-            top = float(weight[row, columns].abs().max())
-            errors = []
-            for step in range(10):
-                candidate = weight[row:row + 1, columns].clamp(-top * (1 - step / 20), top * (1 - step / 20))
-                difference = fake_quantize_w4(candidate, GROUP) - weight[row:row + 1, columns]
-                errors.append(float((inputs[:, columns] @ difference.T).pow(2).sum()))
-            best = min(range(10), key=errors.__getitem__)
-            assert abs(float(bound[row, group]) - top * (1 - best / 20)) < 1e-6 * top
-    tops = weight.abs().view(8, 2, GROUP).amax(-1)
-    assert (bound < tops).any() and (bound == tops).any()  # some groups are clipped, some are not
-    clipped = clip_groups(weight, bound, GROUP)
-    assert torch.equal(clipped.abs().view(8, 2, GROUP).amax(-1), bound)
+        for group, start in enumerate(range(0, 40, GROUP)):
+            columns = slice(start, min(start + GROUP, 40))
+            values = weight[row:row + 1, columns]
+            lowest, highest = float(values.min()), float(values.max())
+            errors = [_rounded_error(inputs[:, columns], values, lowest + bottom * (highest - lowest),
+                                     highest - top * (highest - lowest)) for bottom, top in DEFAULT_RANGE_CUTS]
+            picked = _rounded_error(inputs[:, columns], values, float(low[row, group]), float(high[row, group]))
+            assert picked <= min(errors) * (1 + 1e-4) and picked <= errors[0], (row, group, picked, min(errors))
+            assert torch.equal(chosen[row:row + 1, columns].amin(1), low[row, group:group + 1])
+            assert torch.equal(chosen[row:row + 1, columns].amax(1), high[row, group:group + 1])
+            cut_any |= (float(low[row, group]), float(high[row, group])) != (lowest, highest)
+    assert cut_any
+
+
+def _rounded_error(inputs: torch.Tensor, values: torch.Tensor, low: float, high: float) -> float:
+    """The squared output error over the rows of `inputs` of `values` [1, n] rounded to w4 on the range [low, high]."""
+    rounded = fake_quantize_w4(values.clamp(low, high), GROUP)
+    return float((inputs @ (rounded - values).T).pow(2).sum())
 
 
 def test_the_scheme_quantizes_every_linear_and_records_the_folds():
