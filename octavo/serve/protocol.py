@@ -247,7 +247,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None  # null or absent: "auto" with tools, "none" without (OpenAI)
+    tool_choice: ToolChoice | None = None  # absent: "auto" with tools, else "none" (OpenAI); null: "none" (vLLM)
     parallel_tool_calls: bool | None = None  # accepted; no tool calls are produced to run in parallel
     # The deprecated predecessors of tools / tool_choice, accepted only as null.
     functions: Any = None
