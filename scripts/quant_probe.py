@@ -2,6 +2,7 @@
 
     python scripts/quant_probe.py --method {fp32,rtn,awq,gptq,awqgptq} --gs 64 --tokens 4096 --threads 1 \
         [--act-order] [--damp-mode mean|median|diag] [--sink keep|drop|cap] [--float-stats] [--only REGEX]
+        [--scale-forms act|duo|both] [--alpha-cuts STEPS,MAX]
 
 A measuring tool for choosing what to build, not the compiler's path: the float HF model (the
 dequantized GGUF), calibrated on the same runs as the compiler (the built-in calibration text, up to
@@ -14,6 +15,10 @@ float32, so its perplexities sit near, not on, the artifacts'. Windows as octavo
 min(1, 16 median|x|^2 / |x|^2) (rows far larger than the rest, the attention sink's, count as
 16 typical rows); drop leaves position 0 out. --only REGEX: RTN of the matching linears
 (names under model.layers, e.g. "down_proj" or "^(27|28|29)\\.") and nothing else.
+AWQ scale-search variants (measured worse than the library's search, so kept here only):
+--scale-forms duo|both adds AutoAWQ's duo candidates ``m ** a / (w ** (1 - a) + 1e-4)`` (w: the
+per-channel mean of group-normalized |W|); --alpha-cuts STEPS,MAX scores every candidate with each
+group's range searched over grid_cuts(STEPS, MAX) instead of plain RTN.
 """
 import argparse
 import copy
@@ -28,15 +33,18 @@ from octavo.eval.corpus import calibration_text, read_text
 from octavo.eval.perplexity import plan_windows, tokenize_text
 from octavo.frontend.sources import load_model
 from octavo.passes.awq_search import (
+    DEFAULT_ALPHA_GRID,
     clamp_groups,
     gram_blocks,
     grid_cuts,
+    output_error,
+    scales_for,
     search_range,
     search_scales,
 )
 from octavo.passes.gptq_solver import gptq_quantize
 from octavo.passes.quant_schemes import Calibration
-from octavo.passes.quantize_rtn import fake_quantize_w4
+from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_scale_dtype
 
 p = argparse.ArgumentParser()
 p.add_argument("--method", default="fp32")  # fp32 rtn awq gptq awqgptq
@@ -51,6 +59,9 @@ p.add_argument("--range-search", action="store_true", help="gptq: each group's r
 p.add_argument("--awq-range", default="grid", help="awq range search: grid (each end cut on its own) | mid")
 p.add_argument("--range-steps", type=int, default=6, help="cuts per end: 0 .. --range-max in this many steps")
 p.add_argument("--range-max", type=float, default=0.25, help="largest cut, a fraction of the group's range")
+p.add_argument("--alpha-cuts", default=None,
+               help="awq scale search: score each candidate with ranges searched on STEPS,MAX cuts per end")
+p.add_argument("--scale-forms", default="act", help="awq scale candidates: act (m^a) | duo | both; s=1 always")
 p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
 p.add_argument("--runs", type=int, default=32)
 p.add_argument("--threads", type=int, default=1)
@@ -126,11 +137,63 @@ def quant(weight, stats, scales=None):
     return q.dequantize().float()
 
 
+def alpha_cuts():
+    steps, largest = args.alpha_cuts.split(",")
+    return int(steps), float(largest)
+
+
+picks = []
+
+
+def weight_magnitude(ws):
+    """AutoAWQ's duo term: per input channel, the mean over all rows of |w| / (max |w| of its row's group + 1e-6)."""
+    grouped = grouped_columns(torch.cat([w.float() for w in ws]), args.gs).abs()
+    rel = grouped / (grouped.amax(-1, keepdim=True) + 1e-6)
+    return rel.reshape(rel.shape[0], -1)[:, :ws[0].shape[1]].mean(0)
+
+
+def duo_scales(m, wm, alpha):
+    """m ** alpha / (wm ** (1 - alpha) + 1e-4), clamped at 1e-4, normalized by sqrt(max * min)."""
+    sc = (m.pow(alpha) / (wm.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+    return sc / (sc.max() * sc.min()).sqrt()
+
+
+def rounded(w, gram, cuts):
+    if cuts is None:
+        return fake_quantize_w4(w, args.gs)
+    low, high = search_range(w, gram_blocks(gram, args.gs), args.gs, cuts)
+    return fake_quantize_w4(clamp_groups(w, low, high, args.gs), args.gs, w4_scale_dtype(w))
+
+
+def probe_scales(ws, gram, m):
+    """Candidates s = 1, m ** a (--scale-forms act|both), duo (duo|both); loss with RTN or --alpha-cuts ranges."""
+    cuts = grid_cuts(*alpha_cuts()) if args.alpha_cuts else None
+    cands = [("act", 0.0, torch.ones_like(m))]
+    if args.scale_forms in ("act", "both"):
+        cands += [("act", a, scales_for(m, a)) for a in DEFAULT_ALPHA_GRID if a]
+    if args.scale_forms in ("duo", "both"):
+        wm = weight_magnitude(ws)
+        cands += [("duo", a, duo_scales(m, wm, a)) for a in DEFAULT_ALPHA_GRID]
+    best = None
+    for form, a, sc in cands:
+        g = None if cuts is None else gram / sc[None] / sc[:, None]
+        loss = sum(output_error(w, rounded(w.float() * sc, g, cuts) / sc, gram) for w in ws)
+        if best is None or loss < best[0]:
+            best = (loss, form, a, sc)
+    picks.append(best[1:3])
+    return best[3]
+
+
 def awq_fold(linears, stats, upstream):
     if args.method not in ("awq", "awqgptq"):
         return None
     ws = [linear.weight.data for linear in linears]
-    s, _, _ = search_scales(ws, stats.gram / stats.rows, stats.abs_sum / stats.rows, args.gs)
+    gram, m = stats.gram / stats.rows, stats.abs_sum / stats.rows
+    if args.alpha_cuts or args.scale_forms != "act":
+        s = probe_scales(ws, gram, m)
+    else:
+        s, alpha, _ = search_scales(ws, gram, m, args.gs)
+        picks.append(("act", alpha))
     for linear in linears:
         linear.weight.data = linear.weight.data * s
     upstream(s)
@@ -255,4 +318,9 @@ elif args.method != "fp32":
     print(f"calibrated in {time.time() - t0:.0f}s", file=sys.stderr)
 t0 = time.time()
 ppl, n = evaluate()
+if picks:
+    forms = sorted({form for form, _ in picks})
+    print("picks: " + ", ".join(f"{form} {sum(f == form for f, _ in picks)} mean alpha "
+                                f"{sum(a for f, a in picks if f == form) / sum(f == form for f, _ in picks):.3f}"
+                                for form in forms), file=sys.stderr)
 print(json.dumps({**vars(args), "ppl": round(ppl, 4), "scored": n, "eval_s": round(time.time() - t0)}), flush=True)
