@@ -43,7 +43,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         check_prompt_chars(rendered, context.character_bound, context.capacity, params.max_tokens, "messages")
 
     def encode(tokenizer) -> list[EncodedPrompt]:
-        return [render_chat(tokenizer, messages, check_text, tools=tools)]
+        return [render_chat(tokenizer, messages, check_text, tools=tools,
+                            add_generation_prompt=body.add_generation_prompt,
+                            continue_final_message=body.continue_final_message,
+                            template_kwargs=body.chat_template_kwargs)]
 
     generation = await context.admit(1, params, encode, arrival, prompt_field="messages")
     writer = ChatWriter(context, generation, body, num_top)

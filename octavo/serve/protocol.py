@@ -17,7 +17,8 @@ Explicit JSON nulls: a field the OpenAI API documents as nullable takes null as 
 null samples once, `logprobs` and `echo` null are off); vLLM's own fields are not nullable, as in
 vLLM. Chat requests take OpenAI's tool fields (`tools`, `tool_choice`, `parallel_tool_calls`) and
 the messages of a tool conversation (assistant `tool_calls`, tool `tool_call_id`); which tool
-choices the server serves is decided by `octavo.serve.tools`.
+choices the server serves is decided by `octavo.serve.tools`. Chat requests also take vLLM's
+template fields `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -252,6 +253,11 @@ class ChatCompletionRequest(SamplingFields):
     # The deprecated predecessors of tools / tool_choice, accepted only as null.
     functions: Any = None
     function_call: Any = None
+    # vLLM's chat-template extensions: the assistant turn opened or the last message continued, and
+    # extra variables for the template (e.g. Qwen3's enable_thinking).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -317,6 +323,7 @@ class TokenizeChatRequest(StrictModel):
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 

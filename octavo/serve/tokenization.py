@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import queue
 import threading
 from collections.abc import Callable
@@ -93,18 +94,30 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> E
 
 def render_chat(tokenizer: Any, messages: list[dict], check_text: Callable[[str], None] | None = None, *,
                 tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> EncodedPrompt:
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> EncodedPrompt:
     """`messages` (and `tools`) through the chat template, then tokenized.
 
     By default the assistant turn is opened (as LLM.chat) and no special tokens are added beyond
-    those the template writes. `check_text` sees the rendered text before it is tokenized (and may
-    reject it).
+    those the template writes. `template_kwargs` are extra variables of the template; one named
+    like a parameter of `apply_chat_template` itself (tokenize, chat_template, ...) is a 400, as it
+    would change how the template is applied rather than what it renders. `check_text` sees the
+    rendered text before it is tokenized (and may reject it).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       param="continue_final_message")
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: a parameter of the "
+                            "template's application, not a variable of the template", param="chat_template_kwargs")
     try:
         rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tokenize=False)
+                                                 continue_final_message=continue_final_message, tokenize=False,
+                                                 **template_kwargs)
     except Exception as error:  # a template may raise anything on messages it does not accept
         raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
     if check_text is not None:

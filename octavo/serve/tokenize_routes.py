@@ -38,16 +38,14 @@ async def tokenize(body: dict[str, Any], request: Request) -> JSONResponse:
     context.check_model(parsed.model)
 
     if isinstance(parsed, TokenizeChatRequest):
-        if parsed.add_generation_prompt and parsed.continue_final_message:
-            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                           param="continue_final_message")
         messages = template_messages(parsed.messages)
         tools = [tool.model_dump(exclude_unset=True) for tool in parsed.tools] if parsed.tools else None
 
         def token_ids(tokenizer) -> list[int]:
             return render_chat(tokenizer, messages, tools=tools, add_generation_prompt=parsed.add_generation_prompt,
                                continue_final_message=parsed.continue_final_message,
-                               add_special_tokens=parsed.add_special_tokens).token_ids
+                               add_special_tokens=parsed.add_special_tokens,
+                               template_kwargs=parsed.chat_template_kwargs).token_ids
     else:
         def token_ids(tokenizer) -> list[int]:
             return encode(tokenizer, parsed.prompt, add_special_tokens=parsed.add_special_tokens)

@@ -1,4 +1,7 @@
-"""Tools on `octavo serve`: tool_choice "none" renders them into the prompt; choices needing tool-call parsing are 400.
+"""Tools and chat-template fields on `octavo serve`, against the tokenizer's own `apply_chat_template`.
+
+tool_choice "none" renders tools into the prompt; choices that need tool-call parsing are 400;
+`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` reach the template.
 
 The tiny llama is compiled here with a chat template that renders tools and tool conversations (the
 bundled model's template ignores both), so that a prompt with tools differs from one without. The
@@ -17,6 +20,7 @@ from transformers import AutoTokenizer
 from tests.serve.server_process import running_server
 
 TOOL_TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
     "{%- if tools %}<|im_start|>system\nYou can call these functions:\n"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
@@ -144,3 +148,45 @@ def test_tool_definitions_and_calls_are_validated(server):
         assert response.json()["error"]["param"] == param, (fields, response.text)
     # "required" with no tools at all is "none", as OpenAI (and vLLM) take it.
     assert chat(server, messages=MESSAGES, tools=[], tool_choice="required").status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template(server, tokenizer):
+    expected = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False,
+                                                              greeting="Hello from the test"),
+                                add_special_tokens=False)
+    assert expected != reference_ids(tokenizer, MESSAGES, None)
+    response = chat(server, messages=MESSAGES, chat_template_kwargs={"greeting": "Hello from the test"})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    tokenized = httpx.post(f"{server.url}/tokenize", timeout=60, json={
+        "messages": MESSAGES, "chat_template_kwargs": {"greeting": "Hello from the test"}})
+    assert tokenized.json()["tokens"] == expected
+
+
+def test_chat_template_kwargs_may_not_set_how_the_template_is_applied(server):
+    for key in ("tokenize", "chat_template", "add_generation_prompt"):
+        response = chat(server, messages=MESSAGES, chat_template_kwargs={key: False})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and key in error["message"], error
+
+
+def test_a_chat_request_without_the_generation_prompt(server, tokenizer):
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False, tokenize=False)
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
+    assert expected != reference_ids(tokenizer, MESSAGES, None)
+    response = chat(server, messages=MESSAGES, add_generation_prompt=False)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    both = chat(server, messages=MESSAGES, continue_final_message=True)  # add_generation_prompt defaults to true
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+
+
+def test_a_chat_request_continues_the_final_message(server, tokenizer):
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "In Paris it is"}]
+    rendered = tokenizer.apply_chat_template(prefilled, add_generation_prompt=False, continue_final_message=True,
+                                             tokenize=False)
+    assert rendered.endswith("In Paris it is")
+    response = chat(server, messages=prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
