@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         console.out(json.dumps(record))
     else:
+        windows = f"{result.windows} window{'s' if result.windows != 1 else ''}"
         console.print(f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens scored "
-                      f"({result.windows} windows of {result.window}, stride {result.stride}; "
+                      f"({windows} of {result.window}, stride {result.stride}; "
                       f"tokens sha256 {result.tokens_sha256[:16]})")
     return 0
