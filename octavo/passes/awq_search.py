@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_levels, w4_range_params, w4_scale_dtype
+from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_rounded_on_range, w4_scale_dtype
 
 DEFAULT_ALPHA_GRID = tuple(index / 20 for index in range(20))
 _MIN_SCALE = 1e-4
@@ -104,9 +104,7 @@ def search_range(weight: Tensor, blocks: Tensor, group_size: int,
     best_low, best_high = lowest.clone(), highest.clone()
     for bottom, top in cuts:
         low, high = lowest + bottom * width, highest - top * width
-        scales, offsets = w4_range_params(low, high, scale_dtype)
-        scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
-        error = w4_levels(grouped, scales, offsets) * scales.float() + offsets.float() - grouped
+        error = w4_rounded_on_range(grouped, low, high, scale_dtype) - grouped
         group_error = torch.einsum("ngi,gij,ngj->ng", error, blocks, error)
         better = group_error < best_error
         best_error = torch.where(better, group_error, best_error)

@@ -55,10 +55,16 @@ def fake_quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype |
     """``quantize_w4(weight, group_size, scale_dtype).dequantize()`` without packing: the float32 weight RTN stores."""
     weight = weight.float()
     grouped = grouped_columns(weight, group_size)
-    scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
-    scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
-    dequantized = w4_levels(grouped, scales, offsets) * scales.float() + offsets.float()
+    dequantized = w4_rounded_on_range(grouped, grouped.amin(-1), grouped.amax(-1), scale_dtype)
     return _ungrouped(dequantized, weight.shape[1])
+
+
+def w4_rounded_on_range(grouped: Tensor, low: Tensor, high: Tensor, scale_dtype: torch.dtype | None) -> Tensor:
+    """The float32 values w4 stores for `grouped` [N, G, gs] when each group spans [low, high] ([N, G] each):
+    every value rounded to the nearest of the group's 16 levels (values outside the range to its ends)."""
+    scales, offsets = w4_range_params(low, high, scale_dtype)
+    scales, offsets = scales.unsqueeze(-1), offsets.unsqueeze(-1)
+    return w4_levels(grouped, scales, offsets) * scales.float() + offsets.float()
 
 
 def w4_scale_dtype(weight: Tensor) -> torch.dtype:

@@ -173,6 +173,11 @@ class Tool(StrictModel):
     function: FunctionDefinition
 
 
+def tool_definitions(tools: list[Tool] | None) -> list[dict] | None:
+    """`tools` as the chat template reads them (the fields the client sent), None for none."""
+    return [tool.model_dump(exclude_unset=True) for tool in tools] if tools else None
+
+
 class NamedFunction(StrictModel):
     name: FunctionName
 

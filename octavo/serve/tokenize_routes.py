@@ -24,6 +24,7 @@ from octavo.serve.protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
     template_messages,
+    tool_definitions,
 )
 from octavo.serve.tokenization import encode, render_chat
 
@@ -39,7 +40,7 @@ async def tokenize(body: dict[str, Any], request: Request) -> JSONResponse:
 
     if isinstance(parsed, TokenizeChatRequest):
         messages = template_messages(parsed.messages)
-        tools = [tool.model_dump(exclude_unset=True) for tool in parsed.tools] if parsed.tools else None
+        tools = tool_definitions(parsed.tools)
 
         def token_ids(tokenizer) -> list[int]:
             return render_chat(tokenizer, messages, tools=tools, add_generation_prompt=parsed.add_generation_prompt,

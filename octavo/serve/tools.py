@@ -15,7 +15,7 @@ empty tool list is "none".
 from __future__ import annotations
 
 from octavo.serve.errors import APIError
-from octavo.serve.protocol import ChatCompletionRequest
+from octavo.serve.protocol import ChatCompletionRequest, tool_definitions
 
 NOT_PARSED = ("this server does not parse tool calls from the model's output nor constrain decoding to them "
               "(vLLM needs --enable-auto-tool-choice and --tool-call-parser for this); send tool_choice \"none\" "
@@ -29,7 +29,7 @@ def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
     if choice is None:  # absent: OpenAI's default; an explicit null reads as "none", as vLLM reads it
         choice = "auto" if tools and "tool_choice" not in body.model_fields_set else "none"
     if choice == "none":
-        return [tool.model_dump(exclude_unset=True) for tool in tools] if tools else None
+        return tool_definitions(tools)
     if tools is None:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if choice == "required" and not tools:
