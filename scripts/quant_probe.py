@@ -36,7 +36,6 @@ from octavo.passes.awq_search import (
     DEFAULT_ALPHA_GRID,
     clamp_groups,
     gram_blocks,
-    grid_cuts,
     output_error,
     scales_for,
     search_range,
@@ -44,7 +43,14 @@ from octavo.passes.awq_search import (
 )
 from octavo.passes.gptq_solver import gptq_quantize
 from octavo.passes.quant_schemes import Calibration
-from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_scale_dtype
+from octavo.passes.quantize_rtn import (
+    DEFAULT_RANGE_CUTS,
+    SYMMETRIC_RANGE_CUTS,
+    fake_quantize_w4,
+    grid_cuts,
+    grouped_columns,
+    w4_scale_dtype,
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--method", default="fp32")  # fp32 rtn awq gptq awqgptq
@@ -62,6 +68,12 @@ p.add_argument("--range-max", type=float, default=0.25, help="largest cut, a fra
 p.add_argument("--alpha-cuts", default=None,
                help="awq scale search: score each candidate with ranges searched on STEPS,MAX cuts per end")
 p.add_argument("--scale-forms", default="act", help="awq scale candidates: act (m^a) | duo | both; s=1 always")
+p.add_argument("--gptq-range", default="ends", help="gptq range search: ends (each cut on its own) | mid (shrunk)")
+p.add_argument("--block-loss", type=int, default=0,
+               help="awq: score each alpha on the whole attention / MLP output over this many runs (0: each linear's)")
+p.add_argument("--awq-vo", action="store_true",
+               help="awq (with --float-stats): also fold o_proj's scales into v_proj's rows, one per kv channel")
+p.add_argument("--awq-range-error", default="block", help="awq range search error: block (d^T G_g d) | diag")
 p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
 p.add_argument("--runs", type=int, default=32)
 p.add_argument("--threads", type=int, default=1)
@@ -128,13 +140,55 @@ def quant(weight, stats, scales=None):
             cuts = tuple((t, t) for t in steps)
         else:
             cuts = grid_cuts(args.range_steps, args.range_max)
-        low, high = search_range(weight, gram_blocks(gram, args.gs), args.gs, cuts)
+        range_gram = torch.diag(torch.diagonal(gram)) if args.awq_range_error == "diag" else gram
+        low, high = search_range(weight, gram_blocks(range_gram, args.gs), args.gs, cuts)
         weight = clamp_groups(weight, low, high, args.gs)
         if args.method == "awq":
             return fake_quantize_w4(weight, args.gs)
     h, damp = damped_hessian(2 * gram)
-    q, _ = gptq_quantize(weight, h, args.gs, damping=damp, act_order=args.act_order, range_search=args.range_search)
+    cuts = SYMMETRIC_RANGE_CUTS if args.gptq_range == "mid" else DEFAULT_RANGE_CUTS
+    q, _ = gptq_quantize(weight, h, args.gs, damping=damp, act_order=args.act_order, range_search=args.range_search,
+                         range_cuts=cuts)
     return q.dequantize().float()
+
+
+block_inputs = {}
+
+
+def block_scales(ws, m, run_block):
+    """AWQ's scale search scored on a whole block's output: run_block(weights) against the float weights."""
+    with torch.no_grad():
+        reference = run_block(ws)
+        best = None
+        for a in DEFAULT_ALPHA_GRID:
+            sc = scales_for(m, a) if a else torch.ones_like(m)
+            out = run_block([fake_quantize_w4(w.float() * sc, args.gs) / sc for w in ws])
+            loss = float((out - reference).pow(2).mean())
+            if best is None or loss < best[0]:
+                best = (loss, a, sc)
+    picks.append(("block", best[1]))
+    return best[2]
+
+
+def vo_fold(at, stats):
+    """AWQ's scales for o_proj's input, one per v channel (each shared by the query heads of its kv head), folded
+    into v_proj's rows; returns them expanded to o_proj's input channels."""
+    kv_heads, head_dim = model.config.num_key_value_heads, at.head_dim
+    wo = at.o_proj.weight.data
+    repeats = wo.shape[1] // head_dim // kv_heads
+    gram, m = stats.gram / stats.rows, stats.abs_sum / stats.rows
+    mv = m.view(kv_heads, repeats, head_dim).mean(1).reshape(-1)
+    best = None
+    for a in DEFAULT_ALPHA_GRID:
+        sv = scales_for(mv, a)
+        se = sv.view(kv_heads, 1, head_dim).expand(kv_heads, repeats, head_dim).reshape(-1)
+        loss = output_error(wo, fake_quantize_w4(wo.float() * se, args.gs) / se, gram)
+        if best is None or loss < best[0]:
+            best = (loss, a, sv, se)
+    picks.append(("vo", best[1]))
+    at.v_proj.weight.data = at.v_proj.weight.data / best[2].unsqueeze(1)
+    at.o_proj.weight.data = wo * best[3]
+    return best[3]
 
 
 def alpha_cuts():
@@ -184,12 +238,14 @@ def probe_scales(ws, gram, m):
     return best[3]
 
 
-def awq_fold(linears, stats, upstream):
+def awq_fold(linears, stats, upstream, run_block=None):
     if args.method not in ("awq", "awqgptq"):
         return None
     ws = [linear.weight.data for linear in linears]
     gram, m = stats.gram / stats.rows, stats.abs_sum / stats.rows
-    if args.alpha_cuts or args.scale_forms != "act":
+    if args.block_loss and run_block is not None:
+        s = block_scales(ws, m, run_block)
+    elif args.alpha_cuts or args.scale_forms != "act":
         s = probe_scales(ws, gram, m)
     else:
         s, alpha, _ = search_scales(ws, gram, m, args.gs)
@@ -217,6 +273,7 @@ def float_stats(layer, hidden, pe):
     hk.remove()
     out.append(stats_of(cap["x"]))
     h = hidden + at.o_proj(cap["x"])
+    block_inputs["attn"], block_inputs["mlp"] = hidden, h
     m = layer.post_attention_layernorm(h)
     out.append(stats_of(m))
     dx = mlp.act_fn(mlp.gate_proj(m)) * mlp.up_proj(m)
@@ -248,7 +305,20 @@ def calibrate():
 
             def up_norm(s, norm=layer.input_layernorm):
                 norm.weight.data = norm.weight.data / s
-            s = awq_fold(qkv, st, up_norm)
+            n = args.block_loss
+            x_attn = block_inputs["attn"][:n] if args.float_stats else hidden[:n]
+            pe_n = (pe[0][:n], pe[1][:n])
+
+            def run_attn(ws, at=at, norm=layer.input_layernorm, x=x_attn, pe_n=pe_n, linears=qkv):
+                kept = [linear.weight.data for linear in linears]
+                for linear, w in zip(linears, ws, strict=True):
+                    linear.weight.data = w
+                out = at(hidden_states=norm(x), position_embeddings=pe_n, attention_mask=None)[0]
+                for linear, w in zip(linears, kept, strict=True):
+                    linear.weight.data = w
+                return out
+            s = awq_fold(qkv, st, up_norm, run_attn)
+            vo = vo_fold(at, fst[1]) if args.awq_vo and args.method in ("awq", "awqgptq") else None
             for linear in qkv:
                 linear.weight.data = quant(linear.weight.data, st, s)
             # o_proj
@@ -260,7 +330,7 @@ def calibrate():
             st.add(cap["x"])
             if args.float_stats:
                 st = fst[1]
-            at.o_proj.weight.data = quant(at.o_proj.weight.data, st)
+            at.o_proj.weight.data = quant(at.o_proj.weight.data, st, vo)
             h = hidden + at.o_proj(cap["x"])
             # gate/up
             st = Stats(h.shape[-1])
@@ -271,7 +341,17 @@ def calibrate():
 
             def up_norm2(s, norm=layer.post_attention_layernorm):
                 norm.weight.data = norm.weight.data / s
-            s = awq_fold(gu, st, up_norm2)
+            x_mlp = block_inputs["mlp"][:n] if args.float_stats else h[:n]
+
+            def run_mlp(ws, mlp=mlp, norm=layer.post_attention_layernorm, x=x_mlp, linears=gu):
+                kept = [linear.weight.data for linear in linears]
+                for linear, w in zip(linears, ws, strict=True):
+                    linear.weight.data = w
+                out = mlp(norm(x))
+                for linear, w in zip(linears, kept, strict=True):
+                    linear.weight.data = w
+                return out
+            s = awq_fold(gu, st, up_norm2, run_mlp)
             for linear in gu:
                 linear.weight.data = quant(linear.weight.data, st, s)
             m = layer.post_attention_layernorm(h)

@@ -26,7 +26,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from octavo.passes.quantize_rtn import fake_quantize_w4, grouped_columns, w4_rounded_on_range, w4_scale_dtype
+from octavo.passes.quantize_rtn import (
+    DEFAULT_RANGE_CUTS,
+    fake_quantize_w4,
+    grouped_columns,
+    w4_rounded_on_range,
+    w4_scale_dtype,
+)
 
 DEFAULT_ALPHA_GRID = tuple(index / 20 for index in range(20))
 _MIN_SCALE = 1e-4
@@ -72,17 +78,6 @@ def gram_blocks(gram: Tensor, group_size: int) -> Tensor:
     groups = padded.shape[0] // group_size
     blocks = padded.view(groups, group_size, groups, group_size)
     return blocks[torch.arange(groups), :, torch.arange(groups), :]
-
-
-def grid_cuts(steps: int, largest: float) -> tuple[tuple[float, float], ...]:
-    """Every (bottom, top) pair of fractions i * largest / (steps - 1), i in 0..steps-1: cut from each end."""
-    fractions = [largest * index / max(steps - 1, 1) for index in range(steps)]
-    return tuple((bottom, top) for bottom in fractions for top in fractions)
-
-
-RANGE_STEPS = 6
-RANGE_LARGEST_CUT = 0.25
-DEFAULT_RANGE_CUTS = grid_cuts(RANGE_STEPS, RANGE_LARGEST_CUT)
 
 
 def search_range(weight: Tensor, blocks: Tensor, group_size: int,

@@ -18,8 +18,10 @@ error, ``H = 2 X^T X / n`` (``octavo.ir.linear_input_stats.LinearInputStats.hess
    multiple): without act-order, a group's scale and offset are fixed from its columns as
    they are when the group's first column is reached (after the feedback so far);
    ``block_size`` is a multiple of ``group_size`` so groups never straddle blocks. Each row's
-   range is searched (``range_search``, the default): the min/max range [lo, hi] shrunk about
-   its middle by each factor of RANGE_SHRINKS (1 included), keeping the one whose rounding
+   range is searched (``range_search``, the default): the min/max range [lo, hi] loses the
+   fractions (bottom, top) of hi - lo at its ends, for each pair of ``range_cuts`` (by default
+   quantize_rtn.DEFAULT_RANGE_CUTS: each end on its own by 0, 0.05, ..., 0.25, 36 candidates;
+   (0, 0) first in every set), keeping the first candidate whose rounding
    error ``sum_k H[k, k] (w_k - dequantized w_k)^2`` over the group is least (the layer-output
    error of rounding the group's columns alone, cross terms ignored: a range cut short of an
    outlier of a little-used column buys finer steps for the rest); without it, the min/max
@@ -43,20 +45,22 @@ import torch
 from torch import Tensor
 
 from octavo.ir.quantized_layout import W4, QuantizedWeight, num_groups, pack_int4
-from octavo.passes.quantize_rtn import w4_levels, w4_range_params, w4_scale_dtype
+from octavo.passes.quantize_rtn import DEFAULT_RANGE_CUTS, w4_levels, w4_range_params, w4_scale_dtype
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DAMPING = 0.01
 DEFAULT_BLOCK_COLUMNS = 128
+GPTQ_RANGE_ERROR = "sum_k H[k, k] (w_k - q_k)^2 over the group"
 _MAX_DAMPING_RETRIES = 10
 
 
 def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: float = DEFAULT_DAMPING,
                   act_order: bool = False, block_columns: int = DEFAULT_BLOCK_COLUMNS,
-                  range_search: bool = True) -> tuple[QuantizedWeight, dict]:
+                  range_search: bool = True, range_cuts: tuple[tuple[float, float], ...] = DEFAULT_RANGE_CUTS,
+                  ) -> tuple[QuantizedWeight, dict]:
     """The w4 QuantizedWeight GPTQ gives for `weight` [N, K] under `hessian` [K, K] (see the module docstring;
-    `range_search` False: every group on its min/max range).
+    `range_search` False: every group on its min/max range; else searched over `range_cuts`).
 
     Returns it with a record: the damping actually added (relative to mean(diag H)) and the
     number of dead (never activated) columns.
@@ -71,7 +75,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
     work[:, dead] = 0.0
     scale_dtype = w4_scale_dtype(work)
     importance = torch.diagonal(hessian).clone() if range_search else None
-    static = _group_params(work, group_size, scale_dtype, importance) if act_order else None
+    cuts = torch.tensor(range_cuts, dtype=torch.float32)
+    static = _group_params(work, group_size, scale_dtype, importance, cuts) if act_order else None
     order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True) if act_order else None
     if order is not None:
         work, hessian = work[:, order], hessian[order][:, order]
@@ -84,7 +89,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
     for start in range(0, columns, block):
         end = min(start + block, columns)
         errors = _quantize_block(work, upper, levels, scales, offsets, start, end, group_size, static, order,
-                                 importance)
+                                 importance, cuts)
         work[:, end:].addmm_(errors, upper[start:end, end:], alpha=-1.0)
     if order is not None:
         levels = levels[:, torch.argsort(order)]
@@ -96,7 +101,7 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
 
 def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor, offsets: Tensor, start: int,
                     end: int, group_size: int, static: tuple[Tensor, Tensor] | None,
-                    order: Tensor | None, importance: Tensor | None = None) -> Tensor:
+                    order: Tensor | None, importance: Tensor | None, cuts: Tensor) -> Tensor:
     """Round columns start..end-1 of `work` in place of `levels`, feeding each error forward; returns the errors."""
     block = work[:, start:end]  # a view: the feedback inside the block updates `work`
     inverse = upper[start:end, start:end]
@@ -109,7 +114,7 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
             group_scale, group_offset = static[0][:, group], static[1][:, group]
         elif column % group_size == 0:
             group_scale, group_offset = _group_range(work, column, min(column + group_size, work.shape[1]),
-                                                     importance, scales.dtype)
+                                                     importance, scales.dtype, cuts)
             scales[:, column // group_size], offsets[:, column // group_size] = group_scale, group_offset
         original = block[:, index]
         q = w4_levels(original, group_scale, group_offset)
@@ -120,29 +125,24 @@ def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor,
     return errors
 
 
-RANGE_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
-
-
 def _group_range(weight: Tensor, first: int, end: int, importance: Tensor | None,
-                 scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                 scale_dtype: torch.dtype, cuts: Tensor) -> tuple[Tensor, Tensor]:
     """Per row, the (scale, offset) of columns first..end-1 of `weight`: their min/max range, or with
     `importance` the searched one (_searched_range)."""
     values = weight[:, first:end]
     if importance is None:
         return w4_range_params(values.amin(1), values.amax(1), scale_dtype)
-    return _searched_range(values, importance[first:end], scale_dtype)
+    return _searched_range(values, importance[first:end], scale_dtype, cuts)
 
 
-def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per row, the (scale, offset) of the range [low, high] shrunk about its middle by the factor in
-    RANGE_SHRINKS that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group (the first
-    such factor on ties)."""
-    low, high = values.amin(1), values.amax(1)
-    middle, half = (low + high) / 2, (high - low) / 2
-    candidates = [w4_range_params(middle - half * shrink, middle + half * shrink, scale_dtype)
-                  for shrink in RANGE_SHRINKS]
-    scales = torch.stack([scale for scale, _ in candidates])
-    offsets = torch.stack([offset for _, offset in candidates])
+def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype,
+                    cuts: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row, the (scale, offset) of the range [lo + bottom (hi - lo), hi - top (hi - lo)] over the (bottom, top)
+    rows of `cuts` [C, 2] that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group (the
+    first such cut on ties)."""
+    lowest, highest = values.amin(1), values.amax(1)
+    width = highest - lowest
+    scales, offsets = w4_range_params(lowest + cuts[:, :1] * width, highest - cuts[:, 1:] * width, scale_dtype)
     levels = w4_levels(values, scales[:, :, None], offsets[:, :, None])
     dequantized = levels * scales.float()[:, :, None] + offsets.float()[:, :, None]
     best = (((dequantized - values) ** 2) * importance).sum(2).argmin(0, keepdim=True)
@@ -150,10 +150,10 @@ def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype
 
 
 def _group_params(weight: Tensor, group_size: int, scale_dtype: torch.dtype,
-                  importance: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  importance: Tensor | None, cuts: Tensor) -> tuple[Tensor, Tensor]:
     """(scales, offsets) [N, num_groups] of every group of `weight` (_group_range), the last possibly shorter."""
     columns = weight.shape[1]
-    ranges = [_group_range(weight, start, min(start + group_size, columns), importance, scale_dtype)
+    ranges = [_group_range(weight, start, min(start + group_size, columns), importance, scale_dtype, cuts)
               for start in range(0, columns, group_size)]
     return torch.stack([scale for scale, _ in ranges], dim=1), torch.stack([offset for _, offset in ranges], dim=1)
 

@@ -50,7 +50,6 @@ from tqdm.auto import tqdm
 
 from octavo.ir.quantized_layout import W4, QuantizedWeight
 from octavo.passes.awq_search import (
-    DEFAULT_RANGE_CUTS,
     clamp_groups,
     gram_blocks,
     search_range,
@@ -58,7 +57,7 @@ from octavo.passes.awq_search import (
 )
 from octavo.passes.pattern_utils import is_call
 from octavo.passes.quant_schemes import QuantScheme, weight_input_stats
-from octavo.passes.quantize_rtn import quantize_w4, w4_scale_dtype
+from octavo.passes.quantize_rtn import quantize_w4, range_cuts_record, w4_scale_dtype
 from octavo.passes.quantize_weights import keeps_supplied, provided_value
 
 logger = logging.getLogger(__name__)
@@ -130,8 +129,7 @@ class AWQScheme(QuantScheme):
 
     def rounding_record(self) -> dict:
         """How quantize_linear picks each group's range, for the manifest."""
-        cuts = sorted({round(bottom, 4) for bottom, _ in DEFAULT_RANGE_CUTS})
-        return {"range_search": {"cut_from_each_end": cuts, "of": "the group's max - min"}}
+        return {"range_search": range_cuts_record("d^T G_g d, G_g the group's block of the input's X^T X")}
 
 
 def fold_sites(graph_module: GraphModule, ctx) -> list[FoldSite]:

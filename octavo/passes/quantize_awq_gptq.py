@@ -13,7 +13,11 @@ it does for w4-gptq. Values' origin in the manifest: "awq-gptq".
 Differs from w4-gptq in where the statistics come from: every linear's Hessian is the float
 model's (the one AWQ's search used), not the sequential one of a model whose earlier linears
 are already quantized; AWQ's clipping search is not run (clipping the weights before GPTQ
-measured worse); GPTQ searches each group's range itself (gptq_solver, step 5). A linear
+measured worse); GPTQ searches each group's range itself (gptq_solver, step 5) among ranges
+shrunk about their middle (quantize_rtn.SYMMETRIC_RANGE_CUTS: both ends cut alike by 0, 0.025,
+..., 0.125 of the width), not w4-gptq's ends cut on their own: on SmolLM2 at group 64 this
+scheme's perplexity is 15.09 that way against 15.29 with w4-gptq's cuts, while w4-gptq
+(act-order) scores 14.87 with its cuts against 15.53 with these. A linear
 without statistics, or one whose fold site was left alone, is solved on its unscaled Hessian
 (none at all: RTN).
 """
@@ -28,10 +32,10 @@ from torch.fx import GraphModule
 from tqdm.auto import tqdm
 
 from octavo.ir.quantized_layout import QuantizedWeight
-from octavo.passes.gptq_solver import DEFAULT_DAMPING, gptq_quantize
+from octavo.passes.gptq_solver import DEFAULT_DAMPING, GPTQ_RANGE_ERROR, gptq_quantize
 from octavo.passes.quant_schemes import weight_input_stats
 from octavo.passes.quantize_awq import AWQScheme
-from octavo.passes.quantize_rtn import quantize_w4
+from octavo.passes.quantize_rtn import SYMMETRIC_RANGE_CUTS, quantize_w4, range_cuts_record
 
 
 @dataclass
@@ -56,7 +60,8 @@ class AWQGPTQScheme(AWQScheme):
         if name in self.input_scales:
             inverse = 1.0 / self.input_scales[name]
             hessian = hessian * inverse.unsqueeze(0) * inverse.unsqueeze(1)
-        quantized, _ = gptq_quantize(weight, hessian, self.group_size, act_order=self.act_order)
+        quantized, _ = gptq_quantize(weight, hessian, self.group_size, act_order=self.act_order,
+                                     range_cuts=SYMMETRIC_RANGE_CUTS)
         quantized.origin = "awq-gptq"
         if self.progress is not None:
             self.progress.update()
@@ -70,5 +75,6 @@ class AWQGPTQScheme(AWQScheme):
         if self.progress is not None:
             self.progress.close()
         return {**super().describe(), "gptq": {"act_order": self.act_order, "damping": DEFAULT_DAMPING,
-                                                "range_search": True,
+                                                "range_search": range_cuts_record(GPTQ_RANGE_ERROR,
+                                                                                  SYMMETRIC_RANGE_CUTS),
                                                 "hessian": "float model, scaled by AWQ's 1/s"}}

@@ -18,8 +18,9 @@ the Hessian of the layer-wise squared error over every calibration token, dampin
 fraction of its mean diagonal, the upper Cholesky factor of its inverse, column-by-column
 rounding with error feedback and lazy batch updates, group scales fixed when their first
 column is reached, optional act-order (with groups fixed up front, see gptq_solver). Beyond the
-paper: each group's range is searched (shrunk from min/max where that lowers the H-weighted
-rounding error, as the reference implementation's optional MSE grid does with plain error).
+paper: each group's range is searched (each end of min/max cut on its own where that lowers the
+H-weighted rounding error; the reference implementation's optional MSE grid shrinks the range
+about its middle with plain error, which measured 3 points of perplexity worse on SmolLM2).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from tqdm.auto import tqdm
 
 from octavo.ir.linear_input_stats import LinearInputStats
 from octavo.ir.quantized_layout import QuantizedWeight, concat_rows
-from octavo.passes.gptq_solver import DEFAULT_DAMPING, gptq_quantize
+from octavo.passes.gptq_solver import DEFAULT_DAMPING, GPTQ_RANGE_ERROR, gptq_quantize
 from octavo.passes.quant_schemes import Calibration, QuantScheme, weight_input_stats
-from octavo.passes.quantize_rtn import quantize_w4
+from octavo.passes.quantize_rtn import quantize_w4, range_cuts_record
 
 aten = torch.ops.aten
 
@@ -90,7 +91,7 @@ class GPTQScheme(QuantScheme):
         if self.progress is not None:
             self.progress.close()
         return {**super().describe(), "gptq": {"act_order": self.act_order, "damping": DEFAULT_DAMPING,
-                                                "range_search": True, **self.record}}
+                                                "range_search": range_cuts_record(GPTQ_RANGE_ERROR), **self.record}}
 
 
 def _solved_parts(name: str, weight: Tensor, ctx) -> tuple[QuantizedWeight, list[dict]] | None:

@@ -67,6 +67,31 @@ def w4_rounded_on_range(grouped: Tensor, low: Tensor, high: Tensor, scale_dtype:
     return w4_levels(grouped, scales, offsets) * scales.float() + offsets.float()
 
 
+def grid_cuts(steps: int, largest: float) -> tuple[tuple[float, float], ...]:
+    """Every (bottom, top) pair of fractions i * largest / (steps - 1), i in 0..steps-1, (0, 0) first: the
+    candidate ranges of a group that AWQ's and GPTQ's range searches try, each end of [lo, hi] cut by its
+    fraction of hi - lo."""
+    fractions = [largest * index / max(steps - 1, 1) for index in range(steps)]
+    return tuple((bottom, top) for bottom in fractions for top in fractions)
+
+
+RANGE_STEPS = 6
+RANGE_LARGEST_CUT = 0.25
+DEFAULT_RANGE_CUTS = grid_cuts(RANGE_STEPS, RANGE_LARGEST_CUT)
+
+
+SYMMETRIC_RANGE_CUTS = tuple((cut, cut) for cut in (0.0, 0.025, 0.05, 0.075, 0.1, 0.125))
+"""The range shrunk about its middle to 1, 0.95, ..., 0.75 of its width: both ends cut alike."""
+
+
+def range_cuts_record(error: str, cuts: tuple[tuple[float, float], ...] = DEFAULT_RANGE_CUTS) -> dict:
+    """The manifest's description of a range search over `cuts` that keeps the cut of least `error`."""
+    fractions = sorted({round(bottom, 4) for bottom, _ in cuts})
+    alike = all(bottom == top for bottom, top in cuts)
+    return {"cut_from_both_ends_alike" if alike else "cut_from_each_end": fractions,
+            "of": "the group's max - min", "least": error}
+
+
 def w4_scale_dtype(weight: Tensor) -> torch.dtype:
     """float16 for the scales and offsets of `weight` unless its range needs float32."""
     finite16 = bool(weight.abs().max() < _FLOAT16_SAFE) if weight.numel() else True
