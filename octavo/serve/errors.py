@@ -91,8 +91,9 @@ def from_validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"the request body holds text that is not valid Unicode (a lone surrogate) at "
                              f"'{field}'", param=field)
     field = ".".join(str(part) for part in _json_path(error.body, location)) or None
-    if first.get("type") == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {field}", param=field)
+    if first.get("type") == "unserved_field":
+        name = ".".join(str(part) for part in [*_json_path(error.body, location), first["ctx"]["field"]])
+        return APIError(400, f"{first['msg']} (at '{name}')" if location else first["msg"], param=name)
     if first.get("type") == "missing":
         return APIError(400, f"missing required field '{field}'", param=field)
     if field is None:

@@ -3,8 +3,11 @@
 Fields, names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`). Validation is strict: a JSON string is not a number, `1.0` is not an
-integer, infinities and NaN are rejected, and an unknown field is an error (as the OpenAI API answers
-"Unrecognized request argument supplied"). Every text must be valid Unicode: JSON can spell a lone
+integer, infinities and NaN are rejected. An unknown field is ignored and logged as a warning, as vLLM
+does (clients send fields of newer API versions, and echo back whole response messages), except the
+fields of vLLM's that change what is generated and that this server does not serve (UNSERVED_FIELDS:
+guided decoding, beam search, a request's own chat template, ...): those are a 400 that names them,
+rather than a silent answer without them. Every text must be valid Unicode: JSON can spell a lone
 surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder accepts. Numbers are held to the ranges
 the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties -2..2, logit_bias values
 -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for vLLM's fields and where
@@ -24,10 +27,12 @@ template fields `add_generation_prompt`, `continue_final_message` and `chat_temp
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 """Most alternatives per token in `logprobs` / `top_logprobs` (vLLM's default max_logprobs)."""
@@ -41,6 +46,8 @@ LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 SURROGATE = re.compile("[\ud800-\udfff]")
+
+logger = logging.getLogger(__name__)
 
 
 def valid_unicode(text: str) -> str:
@@ -74,8 +81,43 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenIds = list[TokenId]
 
 
+UNSERVED_FIELDS = {
+    **dict.fromkeys(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"], "guided decoding"),
+    **dict.fromkeys(["use_beam_search", "best_of", "length_penalty"], "beam search and best-of sampling"),
+    "allowed_token_ids": "restricting the vocabulary",
+    "bad_words": "banned words",
+    "prompt_logprobs": "prompt logprobs",
+    "logits_processors": "custom logits processors",
+    "truncate_prompt_tokens": "prompt truncation",
+    "chat_template": "a chat template given with the request (the artifact's template is used)",
+    "documents": "documents for the chat template",
+    "add_special_tokens": "choosing whether special tokens are added to the prompt",
+}
+"""vLLM's request fields that change what is generated and that this server does not serve: what each asks."""
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    """A request object: strict types; unknown fields ignored (a warning names them), unserved ones refused."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = [name for name in data if name not in cls.model_fields]
+        for name in unknown:
+            if isinstance(name, str) and SURROGATE.search(name):  # no text of a request may be invalid
+                raise PydanticCustomError("string_unicode", "a field name that is not valid Unicode")
+            if name in UNSERVED_FIELDS:
+                raise PydanticCustomError("unserved_field", "'{field}' asks for {what}, which this server does not "
+                                          "serve", {"field": name, "what": UNSERVED_FIELDS[name]})
+        if unknown:
+            logger.warning("ignoring unknown field%s of %s: %s", "s" if len(unknown) > 1 else "", cls.__name__,
+                           ", ".join(repr(name) for name in unknown))
+        return data
 
 
 class NullMeansDefault(StrictModel):

@@ -34,6 +34,8 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: dict[str, Any], request: Request) -> JSONResponse:
     # Which form is meant is told by `messages`, so that errors name the fields of that form only.
+    if "messages" in body and "prompt" in body:
+        raise APIError(400, "give either `prompt` or `messages`, not both", param="prompt")
     parsed = _validate(TokenizeChatRequest if "messages" in body else TokenizePromptRequest, body)
     context: ServerContext = request.app.state.context
     context.check_model(parsed.model)

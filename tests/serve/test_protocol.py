@@ -1,4 +1,5 @@
-"""Explicit JSON nulls for the fields the OpenAI API documents as nullable: accepted, and the same as leaving them out.
+"""Explicit JSON nulls for the fields the OpenAI API documents as nullable: accepted, and the same as leaving them out;
+unknown fields ignored (and logged), vLLM fields the server does not serve refused by name.
 
 Greedy requests with the nulls must give the same text, tokens and usage as the same request without them.
 """
@@ -50,3 +51,37 @@ def test_deprecated_function_fields_are_refused_unless_null(tiny_server):
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == field, response.text
         assert "deprecated" in error["message"] and f"`{newer}`" in error["message"]
+
+
+def test_unknown_fields_change_nothing_and_are_logged(tiny_server):
+    """Fields the server does not know (a newer API version's, or the rest of an OpenAI response message sent back
+    as the next turn's history) are ignored, as vLLM ignores them, and the server's log names them."""
+    history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"},
+               {"role": "user", "content": "Again"}]
+    echoed = {"role": "assistant", "content": "Hi!", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}
+    expected = answer(tiny_server, "/v1/chat/completions", {**CHAT, "messages": history})
+    with_unknown = {**CHAT, "messages": [history[0], echoed, history[2]], "prompt_cache_key": "session-1",
+                    "reasoning_effort": "low"}
+    assert answer(tiny_server, "/v1/chat/completions", with_unknown) == expected
+    assert answer(tiny_server, "/v1/completions", {**COMPLETION, "safety_identifier": "u1"}) == \
+        answer(tiny_server, "/v1/completions", COMPLETION)
+    log = tiny_server.log()
+    for name in ("prompt_cache_key", "reasoning_effort", "refusal", "annotations", "audio", "safety_identifier"):
+        assert f"'{name}'" in log and "ignoring unknown field" in log, name
+
+
+@pytest.mark.parametrize(("path", "base", "field", "value"), [
+    ("/v1/chat/completions", CHAT, "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", CHAT, "chat_template", "{{ messages[0]['content'] }}"),
+    ("/v1/completions", COMPLETION, "use_beam_search", True),
+    ("/v1/completions", COMPLETION, "prompt_logprobs", 1),
+    ("/v1/completions", COMPLETION, "allowed_token_ids", [1, 2, 3]),
+])
+def test_unserved_vllm_fields_are_refused_by_name(tiny_server, path, base, field, value):
+    """vLLM's fields that would change the answer and that this server does not serve are a 400 naming them, not
+    an answer without them."""
+    response = httpx.post(f"{tiny_server.url}{path}", json={**base, field: value}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field, response.text
+    assert f"'{field}'" in error["message"] and "does not serve" in error["message"], error["message"]
