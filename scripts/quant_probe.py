@@ -2,7 +2,8 @@
 
     python scripts/quant_probe.py --method {fp32,rtn,awq,gptq,awqgptq} --gs 64 --tokens 4096 --threads 1 \
         [--act-order] [--damp-mode mean|median|diag] [--sink keep|drop|cap] [--float-stats] [--only REGEX]
-        [--scale-forms act|duo|both] [--alpha-cuts STEPS,MAX]
+        [--scale-forms act|duo|both|rms] [--alpha-cuts STEPS,MAX] [--block-loss N] [--awq-vo]
+        [--awq-range-error block|diag] [--range-search] [--gptq-range ends|mid]
 
 A measuring tool for choosing what to build, not the compiler's path: the float HF model (the
 dequantized GGUF), calibrated on the same runs as the compiler (the built-in calibration text, up to
@@ -18,7 +19,12 @@ min(1, 16 median|x|^2 / |x|^2) (rows far larger than the rest, the attention sin
 AWQ scale-search variants (measured worse than the library's search, so kept here only):
 --scale-forms duo|both adds AutoAWQ's duo candidates ``m ** a / (w ** (1 - a) + 1e-4)`` (w: the
 per-channel mean of group-normalized |W|); --alpha-cuts STEPS,MAX scores every candidate with each
-group's range searched over grid_cuts(STEPS, MAX) instead of plain RTN.
+group's range searched over grid_cuts(STEPS, MAX) instead of plain RTN; --scale-forms rms takes rms(x) for mean|x|;
+--block-loss N scores each alpha on the whole attention / MLP block's output over N runs (the reference
+code's loss) instead of each linear's own; --awq-vo also folds o_proj's scales into v_proj's rows (one per
+kv channel); --awq-range-error diag scores the range cuts by the Gram block's diagonal only.
+GPTQ: --gptq-range mid searches its group ranges among symmetric cuts (w4-awq-gptq's) instead of each end
+cut on its own (w4-gptq's).
 """
 import argparse
 import copy
@@ -67,7 +73,8 @@ p.add_argument("--range-steps", type=int, default=6, help="cuts per end: 0 .. --
 p.add_argument("--range-max", type=float, default=0.25, help="largest cut, a fraction of the group's range")
 p.add_argument("--alpha-cuts", default=None,
                help="awq scale search: score each candidate with ranges searched on STEPS,MAX cuts per end")
-p.add_argument("--scale-forms", default="act", help="awq scale candidates: act (m^a) | duo | both; s=1 always")
+p.add_argument("--scale-forms", default="act",
+               help="awq scale candidates: act (m^a) | duo | both | rms (rms(x)^a); s=1 always")
 p.add_argument("--gptq-range", default="ends", help="gptq range search: ends (each cut on its own) | mid (shrunk)")
 p.add_argument("--block-loss", type=int, default=0,
                help="awq: score each alpha on the whole attention / MLP output over this many runs (0: each linear's)")
@@ -225,6 +232,8 @@ def probe_scales(ws, gram, m):
     cands = [("act", 0.0, torch.ones_like(m))]
     if args.scale_forms in ("act", "both"):
         cands += [("act", a, scales_for(m, a)) for a in DEFAULT_ALPHA_GRID if a]
+    if args.scale_forms == "rms":  # root mean square of x instead of mean |x|
+        cands += [("rms", a, scales_for(torch.diagonal(gram).clamp(min=0).sqrt(), a)) for a in DEFAULT_ALPHA_GRID if a]
     if args.scale_forms in ("duo", "both"):
         wm = weight_magnitude(ws)
         cands += [("duo", a, duo_scales(m, wm, a)) for a in DEFAULT_ALPHA_GRID]
