@@ -46,6 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return [render_chat(tokenizer, messages, check_text, tools=tools,
                             add_generation_prompt=body.add_generation_prompt,
                             continue_final_message=body.continue_final_message,
+                            add_special_tokens=body.add_special_tokens,
                             template_kwargs=body.chat_template_kwargs)]
 
     generation = await context.admit(1, params, encode, arrival, prompt_field="messages")

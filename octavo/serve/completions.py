@@ -44,7 +44,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             fit_max_tokens(context.capacity, len(prompt), params.max_tokens, "prompt")
 
     def encode(tokenizer) -> list[EncodedPrompt]:
-        return [encode_prompt(tokenizer, prompt, body.echo) for prompt in prompts]
+        return [encode_prompt(tokenizer, prompt, body.echo, body.add_special_tokens) for prompt in prompts]
 
     generation = await context.admit(len(prompts), params, encode, arrival)
     writer = CompletionWriter(context, generation, body, params.n)

@@ -2,18 +2,18 @@
 
 Fields, names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`). Validation is strict: a JSON string is not a number, `1.0` is not an
-integer, infinities and NaN are rejected. An unknown field is ignored and logged as a warning, as vLLM
-does (clients send fields of newer API versions, and echo back whole response messages), except the
-fields of vLLM's that change what is generated and that this server does not serve (UNSERVED_FIELDS:
-guided decoding, beam search, a request's own chat template, ...): those are a 400 that names them,
-rather than a silent answer without them. Every text must be valid Unicode: JSON can spell a lone
-surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder accepts. Numbers are held to the ranges
-the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties -2..2, logit_bias values
--100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for vLLM's fields and where
-vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1, repetition_penalty in (0, 2],
-logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules (min_tokens <= max_tokens, token ids
-inside the vocabulary, greedy with n 1) are left to `SamplingParams` and the engine, whose messages
+`include_stop_str_in_output`, `add_special_tokens`). Validation is strict: a JSON string is not a
+number, `1.0` is not an integer, infinities and NaN are rejected. An unknown field is ignored and logged
+as a warning, as vLLM does (clients send fields of newer API versions, and echo back whole response
+messages), except the fields of vLLM's that change what is generated and that this server does not serve
+(UNSERVED_FIELDS: guided decoding, beam search, a request's own chat template, ...): those are a 400
+that names them, rather than a silent answer without them. Every text must be valid Unicode: JSON can
+spell a lone surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder accepts. Numbers are held to the
+ranges the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties -2..2, logit_bias
+values -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for vLLM's fields and
+where vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1, repetition_penalty in (0,
+2], logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules (min_tokens <= max_tokens, token
+ids inside the vocabulary, greedy with n 1) are left to `SamplingParams` and the engine, whose messages
 name the field.
 
 Explicit JSON nulls: a field the OpenAI API documents as nullable takes null as its default (`n`
@@ -92,9 +92,16 @@ UNSERVED_FIELDS = {
     "truncate_prompt_tokens": "prompt truncation",
     "chat_template": "a chat template given with the request (the artifact's template is used)",
     "documents": "documents for the chat template",
-    "add_special_tokens": "choosing whether special tokens are added to the prompt",
 }
 """vLLM's request fields that change what is generated and that this server does not serve: what each asks."""
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    """Whether an UNSERVED_FIELDS value is that field's "off" (null, false, empty, best_of 1, length_penalty 1),
+    which clients send by default: ignored like any unknown field."""
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return value == 1 and not isinstance(value, bool) and name in ("best_of", "length_penalty")
 
 
 class StrictModel(BaseModel):
@@ -111,7 +118,7 @@ class StrictModel(BaseModel):
         for name in unknown:
             if isinstance(name, str) and SURROGATE.search(name):  # no text of a request may be invalid
                 raise PydanticCustomError("string_unicode", "a field name that is not valid Unicode")
-            if name in UNSERVED_FIELDS:
+            if name in UNSERVED_FIELDS and not _asks_for_nothing(name, data[name]):
                 raise PydanticCustomError("unserved_field", "'{field}' asks for {what}, which this server does not "
                                           "serve", {"field": name, "what": UNSERVED_FIELDS[name]})
         if unknown:
@@ -180,6 +187,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: Text | None = None
@@ -305,6 +313,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: JsonObject | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes the special tokens itself
 
     @field_validator("functions", "function_call")
     @classmethod

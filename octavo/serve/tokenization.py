@@ -78,12 +78,14 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[i
     return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool) -> EncodedPrompt:
-    """Text -> token ids (with the tokenizer's special tokens, as LLM.generate encodes); ids pass through."""
+def encode_prompt(tokenizer: Any, prompt: str | list[int], want_text: bool,
+                  add_special_tokens: bool = True) -> EncodedPrompt:
+    """Text -> token ids (by default with the tokenizer's special tokens, as LLM.generate encodes); ids pass
+    through."""
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        token_ids = encode(tokenizer, prompt)
+        token_ids = encode(tokenizer, prompt, add_special_tokens=add_special_tokens)
         text = prompt
     else:
         token_ids = list(prompt)

@@ -71,8 +71,17 @@ def test_unknown_fields_change_nothing_and_are_logged(tiny_server):
         assert f"'{name}'" in log and "ignoring unknown field" in log, name
 
 
+def test_unserved_vllm_fields_set_to_off_are_ignored(tiny_server):
+    """Their "off" values (what clients send by default) ask for nothing: ignored like any unknown field."""
+    off = {"guided_json": None, "use_beam_search": False, "best_of": 1, "length_penalty": 1.0, "bad_words": [],
+           "allowed_token_ids": None, "logits_processors": []}
+    assert answer(tiny_server, "/v1/completions", {**COMPLETION, **off}) == answer(tiny_server, "/v1/completions",
+                                                                                   COMPLETION)
+
+
 @pytest.mark.parametrize(("path", "base", "field", "value"), [
     ("/v1/chat/completions", CHAT, "guided_json", {"type": "object"}),
+    ("/v1/completions", COMPLETION, "best_of", 2),
     ("/v1/chat/completions", CHAT, "chat_template", "{{ messages[0]['content'] }}"),
     ("/v1/completions", COMPLETION, "use_beam_search", True),
     ("/v1/completions", COMPLETION, "prompt_logprobs", 1),
