@@ -267,6 +267,17 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: the models Octavo "
+                                     "serves read text only")
+        return content
+
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,32 @@ def one_thread():
 @pytest.fixture(scope="package")
 def tiny_llama_artifact(tiny_artifact):
     return tiny_artifact("llama")
+
+
+@pytest.fixture(scope="package")
+def tiny_llama_variant(tiny_model_dir, tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """Factory: the tiny llama compiled (float32) after `edit(source_dir)` changed its files (its tokenizer, its
+    chat template), for the tests that need a tokenizer unlike the bundled model's."""
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    def build(name: str, edit: Callable[[Path], None]) -> Path:
+        source = tmp_path_factory.mktemp(f"tiny-{name}") / "model"
+        shutil.copytree(tiny_model_dir("llama"), source)
+        edit(source)
+        output = tmp_path_factory.mktemp(f"artifact-{name}") / "artifact"
+        return compile_model(source, output, CompileConfig(dtype="float32"))
+
+    return build
+
+
+def artifact_tokenizer(artifact: Path):
+    """The Hugging Face tokenizer an artifact ships (the reference its prompts are checked against)."""
+    from transformers import AutoTokenizer
+
+    from octavo.ir.artifact_format import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(artifact / TOKENIZER_DIR, local_files_only=True)
 
 
 @pytest.fixture(scope="package")

@@ -85,6 +85,11 @@ def running_server(artifact: Path, log_dir: Path, *extra_args: str,
         assert "Traceback" not in server.log(), server.log()[-5000:]
 
 
+def running_small_server(artifact: Path, log_dir: Path) -> contextlib.AbstractContextManager[ServerProcess]:
+    """running_server with a small KV pool (64 blocks) and 256-token sequences: enough for short prompts."""
+    return running_server(artifact, log_dir, "--num-kv-blocks", "64", "--max-model-len", "256")
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value} (the Prometheus text format, comments dropped)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text

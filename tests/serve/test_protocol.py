@@ -94,3 +94,13 @@ def test_unserved_vllm_fields_are_refused_by_name(tiny_server, path, base, field
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == field, response.text
     assert f"'{field}'" in error["message"] and "does not serve" in error["message"], error["message"]
+
+
+def test_content_parts_other_than_text_are_refused_by_type(tiny_server):
+    """An image (or audio) part is a 400 that names its type: the served models read text only."""
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    response = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60,
+                          json={**CHAT, "messages": [{"role": "user", "content": parts}]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages.0.content", response.text
+    assert "'image_url'" in error["message"] and "text only" in error["message"], error["message"]

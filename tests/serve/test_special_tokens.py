@@ -7,14 +7,12 @@ special tokens by default, chat completions do not (the chat template writes its
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 from tokenizers import Tokenizer, processors
-from transformers import AutoTokenizer
 
-from tests.serve.server_process import running_server
+from tests.serve.conftest import artifact_tokenizer
+from tests.serve.server_process import running_small_server
 
 BOS = "<|endoftext|>"
 PROMPT = "The capital of France is"
@@ -22,31 +20,24 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
-def bos_artifact(tiny_model_dir, tmp_path_factory):
-    from octavo.compiler import compile_model
-    from octavo.config import CompileConfig
+def bos_artifact(tiny_llama_variant):
+    def with_bos(source):
+        tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
+        tokenizer.save(str(source / "tokenizer.json"))
 
-    source = tmp_path_factory.mktemp("tiny-bos") / "model"
-    shutil.copytree(tiny_model_dir("llama"), source)
-    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
-    template = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                             special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
-    tokenizer.post_processor = template
-    tokenizer.save(str(source / "tokenizer.json"))
-    return compile_model(source, tmp_path_factory.mktemp("artifact-bos") / "artifact", CompileConfig(dtype="float32"))
+    return tiny_llama_variant("bos", with_bos)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(bos_artifact):
-    from octavo.ir.artifact_format import TOKENIZER_DIR
-
-    return AutoTokenizer.from_pretrained(bos_artifact / TOKENIZER_DIR, local_files_only=True)
+    return artifact_tokenizer(bos_artifact)
 
 
 @pytest.fixture(scope="module")
 def server(bos_artifact, tmp_path_factory):
-    with running_server(bos_artifact, tmp_path_factory.mktemp("serve-bos"), "--num-kv-blocks", "64",
-                        "--max-model-len", "256") as server:
+    with running_small_server(bos_artifact, tmp_path_factory.mktemp("serve-bos")) as server:
         yield server
 
 

@@ -11,13 +11,12 @@ shape transformers documents (tool-call arguments as a dict).
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.serve.server_process import running_server
+from tests.serve.conftest import artifact_tokenizer
+from tests.serve.server_process import running_small_server
 
 TOOL_TEMPLATE = (
     "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
@@ -43,29 +42,23 @@ TEMPLATE_CONVERSATION = [*MESSAGES, {"role": "assistant", "content": "", "tool_c
 
 
 @pytest.fixture(scope="module")
-def tool_artifact(tiny_model_dir, tmp_path_factory):
-    from octavo.compiler import compile_model
-    from octavo.config import CompileConfig
+def tool_artifact(tiny_llama_variant):
+    def with_tool_template(source):
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer.chat_template = TOOL_TEMPLATE
+        tokenizer.save_pretrained(source)
 
-    source = tmp_path_factory.mktemp("tiny-tools") / "model"
-    shutil.copytree(tiny_model_dir("llama"), source)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(source)
-    return compile_model(source, tmp_path_factory.mktemp("artifact-tools") / "artifact", CompileConfig(dtype="float32"))
+    return tiny_llama_variant("tools", with_tool_template)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tool_artifact):
-    from octavo.ir.artifact_format import TOKENIZER_DIR
-
-    return AutoTokenizer.from_pretrained(tool_artifact / TOKENIZER_DIR, local_files_only=True)
+    return artifact_tokenizer(tool_artifact)
 
 
 @pytest.fixture(scope="module")
 def server(tool_artifact, tmp_path_factory):
-    with running_server(tool_artifact, tmp_path_factory.mktemp("serve-tools"), "--num-kv-blocks", "64",
-                        "--max-model-len", "256") as server:
+    with running_small_server(tool_artifact, tmp_path_factory.mktemp("serve-tools")) as server:
         yield server
 
 
