@@ -296,7 +296,16 @@ class ChatMessage(StrictModel):
 
 
 class ResponseFormat(StrictModel):
+    """`{"type": "text"}`: the JSON formats (json_object, json_schema) need guided decoding, which is not served."""
+
     type: Literal["text"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, kind: Any) -> Any:
+        if isinstance(kind, str) and kind in ("json_object", "json_schema"):
+            raise ValueError(f"{kind!r} needs guided decoding, which this server does not serve; only 'text' is")
+        return kind
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
