@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from octavo.errors import RequestError
-from octavo.serve.protocol import SURROGATE
+from octavo.serve.request_model import SURROGATE
 
 logger = logging.getLogger(__name__)
 

@@ -2,19 +2,14 @@
 
 Fields, names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `add_special_tokens`). Validation is strict: a JSON string is not a
-number, `1.0` is not an integer, infinities and NaN are rejected. An unknown field is ignored and logged
-as a warning, as vLLM does (clients send fields of newer API versions, and echo back whole response
-messages), except the fields of vLLM's that change what is generated and that this server does not serve
-(UNSERVED_FIELDS: guided decoding, beam search, a request's own chat template, ...): those are a 400
-that names them, rather than a silent answer without them. Every text must be valid Unicode: JSON can
-spell a lone surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder accepts. Numbers are held to the
-ranges the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties -2..2, logit_bias
-values -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for vLLM's fields and
-where vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1, repetition_penalty in (0,
-2], logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules (min_tokens <= max_tokens, token
-ids inside the vocabulary, greedy with n 1) are left to `SamplingParams` and the engine, whose messages
-name the field.
+`include_stop_str_in_output`, `add_special_tokens`). Every body is a `request_model.StrictModel`: strict
+types, valid Unicode, unknown fields ignored and logged, vLLM's unserved fields refused by name. Numbers
+are held to the ranges the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties
+-2..2, logit_bias values -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for
+vLLM's fields and where vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1,
+repetition_penalty in (0, 2], logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules
+(min_tokens <= max_tokens, token ids inside the vocabulary, greedy with n 1) are left to
+`SamplingParams` and the engine, whose messages name the field.
 
 Explicit JSON nulls: a field the OpenAI API documents as nullable takes null as its default (`n`
 null samples once, `logprobs` and `echo` null are off); vLLM's own fields are not nullable, as in
@@ -27,12 +22,20 @@ template fields `add_generation_prompt`, `continue_final_message` and `chat_temp
 from __future__ import annotations
 
 import json
-import logging
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from octavo.serve.request_model import (
+    INT64_MAX,
+    INT64_MIN,
+    JsonObject,
+    NullMeansDefault,
+    StrictModel,
+    Text,
+    TokenIds,
+    valid_unicode_json,
+)
 
 MAX_LOGPROBS = 20
 """Most alternatives per token in `logprobs` / `top_logprobs` (vLLM's default max_logprobs)."""
@@ -42,104 +45,6 @@ MAX_CHOICES = 128
 
 LOGIT_BIAS_LIMIT = 100.0
 """logit_bias values lie in [-100, 100] (OpenAI)."""
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-SURROGATE = re.compile("[\ud800-\udfff]")
-
-logger = logging.getLogger(__name__)
-
-
-def valid_unicode(text: str) -> str:
-    """`text` unless it holds a surrogate code point, which is not a character (JSON's lone "\\udXXX")."""
-    found = SURROGATE.search(text)
-    if found is not None:
-        raise ValueError(f"not valid Unicode: lone surrogate U+{ord(found.group()):04X} at character "
-                         f"{found.start()}")
-    return text
-
-
-def valid_unicode_json(value: Any) -> Any:
-    """`value` unless a key or string anywhere inside it holds a surrogate code point (walked without recursion)."""
-    pending = [value]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, str):
-            valid_unicode(node)
-        elif isinstance(node, dict):
-            for key, item in node.items():
-                valid_unicode(key)
-                pending.append(item)
-        elif isinstance(node, list):
-            pending.extend(node)
-    return value
-
-
-Text = Annotated[str, AfterValidator(valid_unicode)]
-JsonObject = Annotated[dict[str, Any], AfterValidator(valid_unicode_json)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-TokenIds = list[TokenId]
-
-
-UNSERVED_FIELDS = {
-    **dict.fromkeys(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"], "guided decoding"),
-    **dict.fromkeys(["use_beam_search", "best_of", "length_penalty"], "beam search and best-of sampling"),
-    "allowed_token_ids": "restricting the vocabulary",
-    "bad_words": "banned words",
-    "prompt_logprobs": "prompt logprobs",
-    "logits_processors": "custom logits processors",
-    "truncate_prompt_tokens": "prompt truncation",
-    "chat_template": "a chat template given with the request (the artifact's template is used)",
-    "documents": "documents for the chat template",
-}
-"""vLLM's request fields that change what is generated and that this server does not serve: what each asks."""
-
-
-def _asks_for_nothing(name: str, value: Any) -> bool:
-    """Whether an UNSERVED_FIELDS value is that field's "off" (null, false, empty, best_of 1, length_penalty 1),
-    which clients send by default: ignored like any unknown field."""
-    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
-        return True
-    return value == 1 and not isinstance(value, bool) and name in ("best_of", "length_penalty")
-
-
-class StrictModel(BaseModel):
-    """A request object: strict types; unknown fields ignored (a warning names them), unserved ones refused."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unknown_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        unknown = [name for name in data if name not in cls.model_fields]
-        for name in unknown:
-            if isinstance(name, str) and SURROGATE.search(name):  # no text of a request may be invalid
-                raise PydanticCustomError("string_unicode", "a field name that is not valid Unicode")
-            if name in UNSERVED_FIELDS and not _asks_for_nothing(name, data[name]):
-                raise PydanticCustomError("unserved_field", "'{field}' asks for {what}, which this server does not "
-                                          "serve", {"field": name, "what": UNSERVED_FIELDS[name]})
-        if unknown:
-            logger.warning("ignoring unknown field%s of %s: %s", "s" if len(unknown) > 1 else "", cls.__name__,
-                           ", ".join(repr(name) for name in unknown))
-        return data
-
-
-class NullMeansDefault(StrictModel):
-    """A model whose fields named in `NULL_MEANS_DEFAULT` take an explicit null as their default."""
-
-    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_MEANS_DEFAULT):
-            return {name: value for name, value in data.items()
-                    if not (value is None and name in cls.NULL_MEANS_DEFAULT)}
-        return data
-
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
