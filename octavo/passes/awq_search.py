@@ -87,7 +87,7 @@ def search_range(weight: Tensor, blocks: Tensor, group_size: int,
     Each candidate cuts the fractions (bottom, top) of the group's min/max range [lo, hi] from
     its ends: ``low = lo + bottom (hi - lo)``, ``high = hi - top (hi - lo)``; d is the group's
     error when it is rounded to w4 on that range (values outside it take the nearest end).
-    The first candidate of least error wins; grid_cuts puts (0, 0), RTN's own range, first.
+    The first candidate of least error wins; quantize_rtn.grid_cuts puts (0, 0), RTN's own range, first.
     `blocks` is gram_blocks' [num_groups, gs, gs] of this weight's input (scaled like the weight's
     columns); their zero padding leaves a short last group's padded columns out of its error.
     """
