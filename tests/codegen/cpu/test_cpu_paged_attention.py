@@ -130,7 +130,7 @@ def schedule(batch: dict) -> dict:
         batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], batch["key_cache"].shape[1],
         batch["key_cache"].shape[2], batch["query"].shape[1] // batch["key_cache"].shape[2],
         batch["sliding_window"])
-    return dict(zip(("prefill", "shared", "single", "decodes"), counts, strict=True))
+    return dict(zip(("prefill", "shared", "single", "decodes", "whole_items"), counts, strict=True))
 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, None), (torch.bfloat16, None),
@@ -180,6 +180,29 @@ def test_a_decode_gives_the_same_bits_alone_and_in_any_batch(cpu_kernels):
                      block_tables=batch["block_tables"][row:row + 1], seq_lens=batch["seq_lens"][row:row + 1],
                      query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
         assert torch.equal(torch.ops.octavo_cpu.paged_attention(**alone)[0], together[token])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_items_of_every_head_or_of_one_give_the_same_bits(dtype, cpu_kernels):
+    """A batch with enough decode chunks for its threads runs one item per chunk for all kv heads (reading a
+    token's rows of every head as one run); with more threads than that keeps busy, one item per (chunk, kv
+    head). The split only moves work between threads: the bits are the same, and both match the reference."""
+    shapes = [(70 + 23 * index, 1) for index in range(10)] + [(80, 9)]
+    batch = make_batch(shapes, 9, 3, 64, dtype=dtype, shared_blocks=4, seed=13)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = schedule(batch)
+        by_item = {"whole": assert_matches_reference(batch)}
+        torch.set_num_threads(64)
+        per_head = schedule(batch)
+        by_item["per head"] = assert_matches_reference(batch)
+    finally:
+        torch.set_num_threads(threads)
+    decode_items = whole["shared"] + whole["single"]
+    assert whole["whole_items"] * 3 == decode_items and whole["shared"] == 3  # chunk [0, 64) is shared
+    assert per_head["whole_items"] == 0 and per_head["shared"] + per_head["single"] == decode_items
+    assert torch.equal(by_item["whole"], by_item["per head"])
 
 
 def test_bf16_cache_query_paths_depend_only_on_the_query(cpu_kernels):

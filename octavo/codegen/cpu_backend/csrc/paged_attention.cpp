@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <vector>
+#include <utility>
 
 namespace octavo_cpu {
 namespace {
@@ -122,6 +123,12 @@ ChunkRange chunk_range(const Problem& p, const Schedule& schedule, const int32_t
   return {seq, std::max(c * chunk, lowest), std::min((c + 1) * chunk, position + 1)};
 }
 
+// The kv heads [first, end) of a work item.
+std::pair<int64_t, int64_t> item_heads(const Problem& p, const Item& item) {
+  if (item.head == kAllHeads) return {0, p.num_kv_heads};
+  return {item.head, item.head + 1};
+}
+
 template <typename CT>
 void run_item(const Problem& p, const Schedule& schedule, const Partials& partials, const int32_t* seq_lens,
               const int32_t* starts, const Item& item, Scratch& s) {
@@ -134,38 +141,61 @@ void run_item(const Problem& p, const Schedule& schedule, const Partials& partia
     prefill_tile<CT>(p, p.block_tables + b * p.table_stride, item.head, starts[b] + offset, item.value, count, s);
     return;
   }
-  s.queries.clear();
-  s.records.clear();
-  auto add_queries = [&](int64_t d, int64_t c) {
+  auto add_queries = [&](int64_t d, int64_t c, int64_t head) {
     const DecodeSeq& decode = schedule.decodes[d];
     for (int64_t g = 0; g < p.group; ++g) {
-      s.queries.push_back(p.query + (decode.token * p.num_heads + item.head * p.group + g) * p.padded_dim);
-      s.records.push_back(partials.record(decode.slot + c - decode.first_chunk, item.head, g));
+      s.queries.push_back(p.query + (decode.token * p.num_heads + head * p.group + g) * p.padded_dim);
+      s.records.push_back(partials.record(decode.slot + c - decode.first_chunk, head, g));
     }
   };
   s.finished.clear();
   if (item.kind == Kind::kChunk) {
-    add_queries(item.index, item.value);
     s.finished.push_back(item.index);
   } else {
-    const SharedChunk& group = schedule.shared[item.index];
-    for (int64_t d : group.members) add_queries(d, group.chunk);
-    s.finished = group.members;
+    s.finished = schedule.shared[item.index].members;
   }
+  const int64_t c = item.kind == Kind::kChunk ? item.value : schedule.shared[item.index].chunk;
   const ChunkRange range = chunk_range(p, schedule, seq_lens, item);
-  chunk_partials<CT>(p, p.block_tables + range.seq * p.table_stride, item.head, range.begin, range.end,
-                     s.queries.data(), s.records.data(), static_cast<int64_t>(s.queries.size()), s);
+  const auto [first_head, end_head] = item_heads(p, item);
+  for (int64_t head = first_head; head < end_head; ++head) {
+    s.queries.clear();
+    s.records.clear();
+    for (int64_t d : s.finished) add_queries(d, c, head);
+    chunk_partials<CT>(p, p.block_tables + range.seq * p.table_stride, head, range.begin, range.end,
+                       s.queries.data(), s.records.data(), static_cast<int64_t>(s.queries.size()), s);
+  }
 }
 
-// Asks for the K rows a decode chunk item will read first (a prefill item reads its keys tile by tile).
+// Queues (s.ahead) the K and V lines a decode item will read, for the item before it to ask for while it runs (a
+// prefill item reads its keys tile by tile).
 template <typename CT>
 void prefetch_item(const Problem& p, const Schedule& schedule, const int32_t* seq_lens, const Item& item,
                    Scratch& s) {
+  s.ahead.clear();
   if (item.kind == Kind::kPrefill || direct_kernel<CT>(p) == nullptr) return;
   const ChunkRange range = chunk_range(p, schedule, seq_lens, item);
-  row_pointers<CT>(p.keys, p.block_tables + range.seq * p.table_stride, p.block_size, range.begin,
-                   range.end - range.begin, item.head, s.prefetched);
-  for (const void* row : s.prefetched) prefetch_bytes(row, p.head_dim * static_cast<int64_t>(sizeof(CT)));
+  const int32_t* blocks = p.block_tables + range.seq * p.table_stride;
+  const auto [first_head, end_head] = item_heads(p, item);
+  constexpr int64_t bytes = sizeof(CT);
+  for (const Pool* pool : {&p.keys, &p.values}) {
+    const int64_t row_bytes = (pool == &p.keys ? p.head_dim : p.value_dim) * bytes;
+    const int64_t stride = pool->token_stride * bytes, heads = end_head - first_head;
+    // Token-major rows (a token's heads side by side): the item's heads of a token are one row.
+    const bool side_by_side = pool->head_stride * bytes == row_bytes;
+    for (int64_t position = range.begin; position < range.end;) {
+      const int64_t block = position / p.block_size, last = std::min(range.end, (block + 1) * p.block_size);
+      const char* token = static_cast<const char*>(pool->data) +
+                          (blocks[block] * pool->block_stride + (position % p.block_size) * pool->token_stride) * bytes;
+      if (side_by_side) {
+        s.ahead.add(token + first_head * row_bytes, last - position, stride, heads * row_bytes);
+      } else {
+        for (int64_t head = first_head; head < end_head; ++head) {
+          s.ahead.add(token + head * pool->head_stride * bytes, last - position, stride, row_bytes);
+        }
+      }
+      position = last;
+    }
+  }
 }
 
 // Merge one decode sequence's chunk partials of one kv head, in chunk order: softmax over the union of the
@@ -191,9 +221,10 @@ void merge_decode(const Problem& p, const DecodeSeq& decode, int64_t head, const
 
 // All work items in one parallel region: the thread that writes the last chunk partial of a (decode
 // sequence, kv head) merges them (the counter's acquire-release orders the other threads' writes before it).
+// While an item runs, its loops ask for the lines of the item this thread runs next (Scratch::ahead).
 template <typename CT>
 void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
-  const Schedule& schedule = cached_plan(p, seq_lens, starts, batch);
+  const Schedule& schedule = cached_plan(p, seq_lens, starts, batch, at::get_num_threads());
   const int64_t record_size = p.record_size();
   std::vector<float> storage(schedule.num_slots * p.num_kv_heads * p.group * record_size);
   const Partials partials{storage.data(), record_size, p.num_kv_heads, p.group};
@@ -205,10 +236,14 @@ void attend(const Problem& p, const int32_t* seq_lens, const int32_t* starts, in
   const auto body = [&](int64_t index, Scratch& scratch) {
     const Item& item = schedule.items[index];
     run_item<CT>(p, schedule, partials, seq_lens, starts, item, scratch);
+    scratch.ahead.finish();
+    const auto [first_head, end_head] = item_heads(p, item);
     for (int64_t d : scratch.finished) {
-      if (remaining[d * p.num_kv_heads + item.head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        scratch.merged.resize(p.padded_value_dim);
-        merge_decode(p, schedule.decodes[d], item.head, partials, scratch.merged.data());
+      for (int64_t head = first_head; head < end_head; ++head) {
+        if (remaining[d * p.num_kv_heads + head].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          scratch.merged.resize(p.padded_value_dim);
+          merge_decode(p, schedule.decodes[d], head, partials, scratch.merged.data());
+        }
       }
     }
   };
@@ -362,8 +397,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
 }
 
-// How paged_attention would split a batch into work items: {prefill tiles, shared (cascade) chunks, chunks
-// of one sequence, decode sequences}, each item counted once per kv head. For tests and diagnostics.
+// How paged_attention would split a batch into work items at the current thread count: {prefill tiles, shared
+// (cascade) chunks, chunks of one sequence, decode sequences, decode items that cover every kv head}, the first
+// three counted once per kv head. For tests and diagnostics.
 std::vector<int64_t> paged_attention_schedule(const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                                               const at::Tensor& query_start_loc_in, int64_t block_size,
                                               int64_t num_kv_heads, int64_t group, int64_t sliding_window) {
@@ -380,9 +416,12 @@ std::vector<int64_t> paged_attention_schedule(const at::Tensor& block_tables_in,
   p.block_tables = tables.const_data_ptr<int32_t>();
   p.table_stride = tables.stride(0);
   const Schedule schedule = plan(p, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(),
-                                 seq_lens.size(0));
-  std::vector<int64_t> counts{0, 0, 0, static_cast<int64_t>(schedule.decodes.size())};
-  for (const Item& item : schedule.items) ++counts[static_cast<int>(item.kind)];
+                                 seq_lens.size(0), at::get_num_threads());
+  std::vector<int64_t> counts{0, 0, 0, static_cast<int64_t>(schedule.decodes.size()), 0};
+  for (const Item& item : schedule.items) {
+    counts[static_cast<int>(item.kind)] += item.head == kAllHeads ? num_kv_heads : 1;
+    counts[4] += item.head == kAllHeads;
+  }
   std::swap(counts[1], counts[2]);  // Kind order is prefill, chunk, shared
   return counts;
 }

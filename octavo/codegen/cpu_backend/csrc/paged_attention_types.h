@@ -15,6 +15,12 @@ namespace paged {
 constexpr int64_t kChunkTokens = 64;  // decode chunk length (rounded up to whole blocks)
 constexpr int64_t kKeyTile = 32;      // keys per prefill tile
 constexpr int64_t kPrefillRows = 96;  // query rows (positions x heads of a group) per prefill work item
+constexpr int64_t kAllHeads = -1;     // Item::head of a decode item that covers every kv head
+// Decode items cover every kv head once the batch has this many chunks per thread (else one item per head,
+// so that a short batch still spreads over the threads).
+constexpr int64_t kChunksPerThreadForWholeItems = 4;
+// Lines of the next item asked for per group of kLanes keys scored, and per value row accumulated (Lookahead).
+constexpr int kLookaheadPerScoredGroup = 4, kLookaheadPerValueRow = 1;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 
@@ -60,6 +66,50 @@ struct Problem {
   int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
 };
 
+// The cache lines of the next work item, asked for a few at a time from inside the current item's loops: its
+// loads then overlap this item's arithmetic, where asking for them all at once stalls the core until the
+// requests drain (a core keeps only a few dozen misses in flight). The lines are runs of equally spaced rows.
+class Lookahead {
+ public:
+  void clear() {
+    runs_.clear();
+    run_ = 0;
+    row_ = offset_ = 0;
+  }
+  // `rows` rows of `row_bytes` bytes, `stride` bytes apart, from `first`.
+  void add(const void* first, int64_t rows, int64_t stride, int64_t row_bytes) {
+    if (rows > 0) runs_.push_back({static_cast<const char*>(first), rows, stride, row_bytes});
+  }
+  // Asks for the next `lines` cache lines, if any are left.
+  __attribute__((always_inline)) void step(int lines) {
+    for (int i = 0; i < lines && run_ < runs_.size(); ++i) {
+      const Run& run = runs_[run_];
+      __builtin_prefetch(run.first + row_ * run.stride + offset_);
+      offset_ += 64;
+      if (offset_ >= run.row_bytes) {
+        offset_ = 0;
+        if (++row_ == run.rows) {
+          row_ = 0;
+          ++run_;
+        }
+      }
+    }
+  }
+  // Asks for every line not asked for yet.
+  void finish() {
+    while (run_ < runs_.size()) step(64);
+  }
+
+ private:
+  struct Run {
+    const char* first;
+    int64_t rows, stride, row_bytes;
+  };
+  std::vector<Run> runs_;
+  size_t run_ = 0;
+  int64_t row_ = 0, offset_ = 0;
+};
+
 struct Scratch {
   std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
   std::vector<const float*> queries, key_rows, value_rows;
@@ -69,6 +119,7 @@ struct Scratch {
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
   std::vector<uint16_t> bf16_queries;       // decode queries as bfloat16 bits, for dpbf16 scoring
   std::vector<const uint16_t*> dot_queries;  // per query: its bfloat16 bits, nullptr where not exact
+  Lookahead ahead;                           // the next decode item's K and V lines
 };
 
 }  // namespace paged

@@ -39,12 +39,13 @@ inline void prefetch_row(const void* row) {
 // the dot product with the stored integers times the row's scale (key_scales[j]) times `scale`.
 template <typename CT, int NV, int NQ>
 void score_keys(const float* const* queries, const void* const* rows, const float* key_scales, int64_t n, float scale,
-                float* const* scores, const void* const* prefetch) {
+                float* const* scores, const void* const* prefetch, Lookahead& ahead) {
   for (int64_t first = 0; first < n; first += kLanes) {
     const int64_t count = std::min(kLanes, n - first);
     if (prefetch != nullptr) {
       for (int64_t j = first; j < first + count; ++j) prefetch_row<CT, NV>(prefetch[j]);
     }
+    ahead.step(kLookaheadPerScoredGroup);
     Vec acc[NQ][kLanes];
     for (int64_t j = 0; j < kLanes; ++j) {
       if (j >= count) {
@@ -72,15 +73,17 @@ void score_keys(const float* const* queries, const void* const* rows, const floa
 // out[q][0:NV * kLanes] = sum_j weights[q][j] * v_j for the NQ queries, j in [0, n) in order, rows of CT
 // widened in registers once for all NQ queries.
 template <typename CT, int NV, int NQ>
-void weighted_values(const float* const* weights, const void* const* rows, int64_t n, float* const* out) {
+void weighted_values(const float* const* weights, const void* const* rows, int64_t n, float* const* out,
+                     Lookahead& ahead) {
   if constexpr (std::is_same_v<CT, c10::BFloat16> && kHasBf16Pairs && NV % 2 == 0) {
-    return weighted_values_bf16<NV / 2, NQ>(weights, rows, n, out);
+    return weighted_values_bf16<NV / 2, NQ>(weights, rows, n, out, ahead);
   }
   Vec acc[NQ][NV];
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < NV; ++v) acc[q][v] = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
     const CT* row = static_cast<const CT*>(rows[j]);
+    ahead.step(kLookaheadPerValueRow);
     Vec value[NV];
     for (int v = 0; v < NV; ++v) value[v] = load_widened(row + v * kLanes);
     for (int q = 0; q < NQ; ++q) {
@@ -105,15 +108,15 @@ void score_group(const Problem& p, int64_t n, const float* const* queries, float
         const void* const* ahead = q == 0 ? prefetch : nullptr;
         if (dot[q] != nullptr) {
           score_keys_dot_bf16<NV / 2>(dot[q], s.key_sources.data(), n, p.scale, scores[q], ahead,
-                                      NV * kLanes * static_cast<int64_t>(sizeof(CT)));
+                                      NV * kLanes * static_cast<int64_t>(sizeof(CT)), s.ahead);
         } else {
-          score_keys<CT, NV, 1>(queries + q, s.key_sources.data(), nullptr, n, p.scale, scores + q, ahead);
+          score_keys<CT, NV, 1>(queries + q, s.key_sources.data(), nullptr, n, p.scale, scores + q, ahead, s.ahead);
         }
       }
       return;
     }
   }
-  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores, prefetch);
+  score_keys<CT, NV, NQ>(queries, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores, prefetch, s.ahead);
 }
 
 // Partials (see chunk_partials) of NQ queries over the chunk whose rows s.key_sources / s.value_sources hold.
@@ -134,7 +137,7 @@ void query_group_partials(const Problem& p, int64_t n, const float* const* queri
       }
     }
   }
-  weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records);
+  weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records, s.ahead);
 }
 
 // chunk_partials reading K and V straight from the pool (rows of NV whole vectors: float, 16-bit or int8), the

@@ -54,12 +54,14 @@ __attribute__((always_inline)) inline void store_interleaved(const Vec& even, co
 // weighted_values for bfloat16 rows of NP * 2 * kLanes values: out[q][d] = sum_j weights[q][j] * v_j[d], j in
 // [0, n) in order, one FMA per (j, d) from 0: the same bits as widening each row.
 template <int NP, int NQ>
-void weighted_values_bf16(const float* const* weights, const void* const* rows, int64_t n, float* const* out) {
+void weighted_values_bf16(const float* const* weights, const void* const* rows, int64_t n, float* const* out,
+                          Lookahead& ahead) {
   Vec even[NQ][NP], odd[NQ][NP];
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < NP; ++v) even[q][v] = odd[q][v] = Vec(0.f);
   for (int64_t j = 0; j < n; ++j) {
     const c10::BFloat16* row = static_cast<const c10::BFloat16*>(rows[j]);
+    ahead.step(kLookaheadPerValueRow);
     Vec e[NP], o[NP];
     for (int v = 0; v < NP; ++v) load_bf16_pairs(row + v * 2 * kLanes, e[v], o[v]);
     for (int q = 0; q < NQ; ++q) {
@@ -99,7 +101,8 @@ inline bool query_as_bf16(const float* query, int64_t dim, uint16_t* out) {
 template <int NP>
 __attribute__((target("avx512bf16"))) void score_keys_dot_bf16(const uint16_t* query, const void* const* rows,
                                                                 int64_t n, float scale, float* scores,
-                                                                const void* const* prefetch, int64_t row_bytes) {
+                                                                const void* const* prefetch, int64_t row_bytes,
+                                                                Lookahead& ahead) {
   __m512bh q[NP];
   for (int v = 0; v < NP; ++v) q[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(query + v * 32));
   for (int64_t first = 0; first < n; first += kLanes) {
@@ -107,6 +110,7 @@ __attribute__((target("avx512bf16"))) void score_keys_dot_bf16(const uint16_t* q
     if (prefetch != nullptr) {
       for (int64_t j = first; j < first + count; ++j) prefetch_bytes(prefetch[j], row_bytes);
     }
+    ahead.step(kLookaheadPerScoredGroup);
     Vec acc[kLanes];
     for (int64_t j = 0; j < kLanes; ++j) {
       if (j >= count) {

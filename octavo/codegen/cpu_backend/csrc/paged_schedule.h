@@ -1,7 +1,10 @@
 // The schedule of one paged_attention call (paged_attention.cpp): its work items. Prefill and chunked-prefill
 // sequences give a tile of query positions per kv head; a decode sequence's context is cut at fixed chunk
-// boundaries (kChunkTokens, whole blocks, counted from position 0), one item per (chunk, kv head); a full chunk
-// whose blocks several decode sequences share is one shared item for all of them (cascade).
+// boundaries (kChunkTokens, whole blocks, counted from position 0), one item per chunk covering every kv head (a
+// token's rows of all heads lie side by side in the pool, so the item reads them as one run of memory), or, when
+// the batch has too few chunks to keep every thread busy that way, one item per (chunk, kv head); a full chunk
+// whose blocks several decode sequences share is one shared item for all of them (cascade). Either split runs
+// the same arithmetic per (query, chunk), so the results do not depend on it.
 #pragma once
 
 #include "paged_attention_types.h"
@@ -23,7 +26,7 @@ struct Item {
   Kind kind;
   int64_t index;  // prefill: sequence; chunk: decode sequence; shared: shared chunk
   int64_t value;  // prefill: first position; chunk: chunk number
-  int64_t head;
+  int64_t head;   // kv head, or kAllHeads (decode items only)
 };
 
 struct SharedChunk {
@@ -40,11 +43,23 @@ struct Schedule {
 
 inline int64_t chunk_tokens(int64_t block_size) { return round_up(std::max(kChunkTokens, block_size), block_size); }
 
-inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
+// Decode items of chunk (d, c): one for every kv head, or one per head.
+inline void add_decode_items(std::vector<Item>& items, Kind kind, int64_t index, int64_t c, int64_t num_kv_heads,
+                             bool whole) {
+  if (whole) {
+    items.push_back({kind, index, c, kAllHeads});
+    return;
+  }
+  for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({kind, index, c, h});
+}
+
+inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch,
+                     int64_t threads) {
   Schedule schedule;
   const int64_t chunk = chunk_tokens(p.block_size), blocks_per_chunk = chunk / p.block_size;
   std::map<std::vector<int32_t>, std::vector<std::pair<int64_t, int64_t>>> full_chunks;  // blocks -> (decode, chunk)
   std::vector<Item> prefill, single;
+  std::vector<std::pair<int64_t, int64_t>> unshared;  // (decode, chunk) of chunks that are not full
   const int64_t rows_per_item = std::max<int64_t>(1, kPrefillRows / p.group);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
@@ -65,15 +80,17 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
         const int32_t* row = p.block_tables + b * p.table_stride + c * blocks_per_chunk;
         full_chunks[std::vector<int32_t>(row, row + blocks_per_chunk)].emplace_back(d, c);
       } else {
-        for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, d, c, h});
+        unshared.emplace_back(d, c);
       }
     }
     schedule.decodes.push_back(decode);
   }
+  const bool whole = schedule.num_slots >= kChunksPerThreadForWholeItems * threads;
+  for (auto [d, c] : unshared) add_decode_items(single, Kind::kChunk, d, c, p.num_kv_heads, whole);
   std::vector<Item> shared;
   for (auto& [blocks, users] : full_chunks) {
     if (users.size() == 1) {
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) single.push_back({Kind::kChunk, users[0].first, users[0].second, h});
+      add_decode_items(single, Kind::kChunk, users[0].first, users[0].second, p.num_kv_heads, whole);
       continue;
     }
     SharedChunk group{users[0].second, {}};
@@ -82,7 +99,7 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
     // partial does not depend on it anyway: a full chunk has no mask.
     const int64_t index = static_cast<int64_t>(schedule.shared.size());
     schedule.shared.push_back(std::move(group));
-    for (int64_t h = 0; h < p.num_kv_heads; ++h) shared.push_back({Kind::kShared, index, 0, h});
+    add_decode_items(shared, Kind::kShared, index, 0, p.num_kv_heads, whole);
   }
   // Largest items first, so that the last ones to finish are small: prefill tiles by how many keys they
   // attend (their last position), then shared chunks, then chunks of one sequence.
@@ -91,11 +108,11 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
   return schedule;
 }
 
-// plan() reads only these: the problem's block size, window, kv heads and group, and the batch's lengths, query
-// starts and the table entries of the blocks its sequences use.
+// plan() reads only these: the problem's block size, window, kv heads and group, the batch's lengths, query
+// starts and the table entries of the blocks its sequences use, and the thread count.
 inline std::vector<int64_t> plan_inputs(const Problem& p, const int32_t* seq_lens, const int32_t* starts,
-                                        int64_t batch) {
-  std::vector<int64_t> key{p.block_size, p.window, p.num_kv_heads, p.group, batch};
+                                        int64_t batch, int64_t threads) {
+  std::vector<int64_t> key{p.block_size, p.window, p.num_kv_heads, p.group, batch, threads};
   key.insert(key.end(), seq_lens, seq_lens + batch);
   key.insert(key.end(), starts, starts + batch + 1);
   for (int64_t b = 0; b < batch; ++b) {
@@ -109,12 +126,13 @@ inline std::vector<int64_t> plan_inputs(const Problem& p, const int32_t* seq_len
 // block tables, so the step's first call plans and the other layers reuse its schedule (planning a 64-sequence
 // decode batch costs about as much as a tenth of its attention). The schedule is a function of plan_inputs,
 // compared in full, so a reused schedule is the one plan() would return.
-inline const Schedule& cached_plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch) {
+inline const Schedule& cached_plan(const Problem& p, const int32_t* seq_lens, const int32_t* starts, int64_t batch,
+                                   int64_t threads) {
   thread_local std::vector<int64_t> last_inputs;
   thread_local Schedule last;
-  std::vector<int64_t> inputs = plan_inputs(p, seq_lens, starts, batch);
+  std::vector<int64_t> inputs = plan_inputs(p, seq_lens, starts, batch, threads);
   if (inputs != last_inputs) {
-    last = plan(p, seq_lens, starts, batch);
+    last = plan(p, seq_lens, starts, batch, threads);
     last_inputs = std::move(inputs);
   }
   return last;
