@@ -115,7 +115,7 @@ class Lookahead {
 struct Scratch {
   std::vector<float> scores, key_row, key_tile, value_tile, row_max, row_sum, factors, accumulators, merged;
   std::vector<const float*> queries, key_rows, value_rows;
-  std::vector<const void*> key_sources, value_sources, prefetched;
+  std::vector<const void*> key_sources, value_sources;
   std::vector<float> key_scales, value_scales;  // per row of the chunk, for quantized caches
   std::vector<float*> records;
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote

@@ -1,7 +1,9 @@
 // The decode chunk kernel that reads K and V rows in place from the paged pool: rows widened in registers
 // (float, bfloat16, float16, int8 with per-row scales), kLanes keys scored at once through one transpose-add
-// tree, each row read once for a group of queries, the next rows prefetched. bfloat16 rows take the paired
-// loads of paged_decode_bf16.h (values always; keys by dpbf16 where the CPU and the query allow).
+// tree, each row read once for a group of queries; the chunk's K rows are asked for as it starts and its V rows
+// while K is scored, and the scoring and weighting loops ask for the next item's lines a few at a time
+// (Scratch::ahead). bfloat16 rows take the paired loads of paged_decode_bf16.h (values always; keys by dpbf16
+// where the CPU and the query allow).
 #pragma once
 
 #include "paged_attention_types.h"
