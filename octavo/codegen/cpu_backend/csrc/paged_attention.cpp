@@ -29,8 +29,8 @@
 #include <map>
 #include <optional>
 #include <string>
-#include <vector>
 #include <utility>
+#include <vector>
 
 namespace octavo_cpu {
 namespace {

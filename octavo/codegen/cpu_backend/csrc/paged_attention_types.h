@@ -68,9 +68,9 @@ struct Problem {
 
 // The cache lines of the next work item, asked for a few at a time from inside the current item's loops: its
 // loads then overlap this item's arithmetic, where asking for them all at once stalls the core until the
-// requests drain (a core keeps only a few dozen misses in flight). They go to L2 only: the next item's 2 x 24 KB
-// (64 tokens of 3 heads x 64 dims in 16 bits) would push the current item's rows out of a 48 KB L1. The lines
-// are runs of equally spaced rows.
+// requests drain (a core keeps only a few dozen misses in flight). They go to L2 only: a whole next item (for
+// SmolLM2 in bf16, 64 tokens x 3 heads x 64 dims x 2 bytes = 24 KB each of K and V) would push the current
+// item's rows out of a 48 KB L1. The lines are runs of equally spaced rows.
 class Lookahead {
  public:
   void clear() {
