@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 
 import psutil
 import torch
@@ -16,6 +17,7 @@ logger = logging.getLogger(__name__)
 _DEFAULT_CPU_FRACTION = 0.25
 _DEFAULT_CPU_CAP = 4 * 2**30
 _DEFAULT_GPU_FRACTION = 0.8
+_HUGE_PAGE_BYTES = 2 * 2**20
 
 
 class KVCache:
@@ -36,7 +38,7 @@ class KVCache:
         self.block_size = kv_layout["block_size"]
         self.device = device
         pools = pool_shapes(kv_layout)
-        self.tensors: dict[str, torch.Tensor] = {name: torch.empty((num_blocks, *shape), dtype=dtype, device=device)
+        self.tensors: dict[str, torch.Tensor] = {name: allocate_pool((num_blocks, *shape), dtype, device)
                                                  for name, (shape, dtype) in pools.items()}
         # The host pool that swap preemption copies to: pinned on CUDA, a second CPU pool on CPU.
         pin = device.type == "cuda"
@@ -95,6 +97,23 @@ def pool_shapes(kv_layout: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype
 def bytes_per_block(kv_layout: dict) -> int:
     """Bytes of one block across all layers, keys and values (and their scales)."""
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in pool_shapes(kv_layout).values())
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized pool; on CPU, from anonymous memory advised for huge pages where the OS offers them.
+
+    Decode attention reads a batch's blocks scattered over the pool, a few KB each: on 4 KB pages nearly
+    every block is a TLB miss, and the read-ahead of the next work item's lines waits on them. Memory is
+    still committed as it is first written (in 2 MB pages where the kernel finds them).
+    """
+    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes < _HUGE_PAGE_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def _copyable(tensor: torch.Tensor) -> torch.Tensor:

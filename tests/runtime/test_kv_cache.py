@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,43 @@ def test_cache_has_one_key_and_one_value_pool_per_layer():
     assert all(tensor.shape == (4, 4, 2, 5) for tensor in cache.host_tensors.values())
     assert cache.num_bytes == 6 * bytes_per_block(LAYOUT)
     assert KVCache(LAYOUT, 6, torch.device("cpu")).host_tensors == {}
+
+
+def _mapping_of(address: int) -> list[str]:
+    """The /proc/self/smaps lines of the memory mapping that holds `address`."""
+    lines, inside = [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(char in "0123456789abcdef-" for char in head):
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            inside = low <= address < high
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def _transparent_huge_pages() -> str:
+    """The kernel's THP mode ("always", "madvise" or "never"), or "" where it has none."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.read_text().split("[")[1].split("]")[0] if path.exists() else ""
+
+
+def test_large_cpu_pools_are_separate_and_advised_for_huge_pages():
+    """Pools of 2 MB and more come from their own anonymous mappings, advised for huge pages where Linux has
+    them (THPeligible in smaps); each is a plain writable tensor of its own."""
+    layout = {**LAYOUT, "num_kv_heads": 4, "head_dim": 64, "block_size": 16}
+    cache = KVCache(layout, 256, torch.device("cpu"))  # 256 x 16 x 4 x 64 x 4 bytes = 4 MB a pool
+    tensors = list(cache.tensors.values())
+    assert all(tensor.shape == (256, 16, 4, 64) and tensor.is_contiguous() for tensor in tensors)
+    for index, tensor in enumerate(tensors):
+        tensor.fill_(index)
+    assert [int(tensor[-1, -1, -1, -1]) for tensor in tensors] == list(range(len(tensors)))
+    cache.copy_blocks([(0, 255)])
+    assert torch.equal(tensors[0][255], tensors[0][0])
+    if Path("/proc/self/smaps").exists() and _transparent_huge_pages() in ("always", "madvise"):
+        for tensor in tensors:
+            eligible = [line.split()[1] for line in _mapping_of(tensor.data_ptr()) if line.startswith("THPeligible:")]
+            assert eligible == ["1"]
 
 
 def test_copy_blocks_moves_exactly_the_given_blocks_in_every_layer():
