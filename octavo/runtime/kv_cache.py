@@ -108,7 +108,7 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """
     if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     if num_bytes < _HUGE_PAGE_BYTES:
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
