@@ -43,6 +43,7 @@ from octavo.passes.awq_search import (
     clamp_groups,
     gram_blocks,
     output_error,
+    refine_group_params,
     scales_for,
     search_range,
     search_scales,
@@ -55,6 +56,7 @@ from octavo.passes.quantize_rtn import (
     fake_quantize_w4,
     grid_cuts,
     grouped_columns,
+    quantize_w4_on_params,
     w4_scale_dtype,
 )
 
@@ -81,6 +83,7 @@ p.add_argument("--block-loss", type=int, default=0,
 p.add_argument("--awq-vo", action="store_true",
                help="awq (with --float-stats): also fold o_proj's scales into v_proj's rows, one per kv channel")
 p.add_argument("--awq-range-error", default="block", help="awq range search error: block (d^T G_g d) | diag")
+p.add_argument("--refit", type=int, default=0, help="awq: rounds of the level refit after the range search")
 p.add_argument("--only", default=None, help="rtn of the weights whose name matches this regex, nothing else")
 p.add_argument("--runs", type=int, default=32)
 p.add_argument("--threads", type=int, default=1)
@@ -149,6 +152,10 @@ def quant(weight, stats, scales=None):
             cuts = grid_cuts(args.range_steps, args.range_max)
         range_gram = torch.diag(torch.diagonal(gram)) if args.awq_range_error == "diag" else gram
         low, high = search_range(weight, gram_blocks(range_gram, args.gs), args.gs, cuts)
+        if args.method == "awq" and args.refit:
+            scales, offsets = refine_group_params(weight, gram_blocks(range_gram, args.gs), args.gs, low, high,
+                                                  args.refit)
+            return quantize_w4_on_params(weight, args.gs, scales, offsets).dequantize().float()
         weight = clamp_groups(weight, low, high, args.gs)
         if args.method == "awq":
             return fake_quantize_w4(weight, args.gs)

@@ -19,6 +19,13 @@ ends. The error of that group's part of the output over every calibration token 
 candidate, so it never does worse than RTN of the same weight on that error). The paper's
 search clips symmetrically to ``[-c, c]``; the w4 layout is asymmetric (an offset per group),
 so each end is searched on its own.
+
+Level refit (not in the paper). A group's 16 levels ``q * scale + offset`` need not span a
+range of the grid: with the codes q of the chosen range fixed, the (scale, offset) of least
+``d^T G_g d`` solves a 2 x 2 weighted least-squares problem in closed form. refine_group_params
+alternates that solve with re-rounding the group's values to the new levels, a few times, and
+keeps a group's new levels only where its error (with scale and offset rounded to their stored
+dtype) is below the best so far, so it never does worse than the range search on that error.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ from octavo.passes.quantize_rtn import (
     DEFAULT_RANGE_CUTS,
     fake_quantize_w4,
     grouped_columns,
+    w4_levels,
+    w4_range_params,
     w4_rounded_on_range,
     w4_scale_dtype,
 )
 
 DEFAULT_ALPHA_GRID = tuple(index / 20 for index in range(20))
+REFIT_ROUNDS = 4
 _MIN_SCALE = 1e-4
 
 
@@ -113,3 +123,50 @@ def clamp_groups(weight: Tensor, low: Tensor, high: Tensor, group_size: int) -> 
     low = low.repeat_interleave(group_size, dim=1)[:, :columns]
     high = high.repeat_interleave(group_size, dim=1)[:, :columns]
     return torch.minimum(torch.maximum(weight.float(), low), high)
+
+
+def refine_group_params(weight: Tensor, blocks: Tensor, group_size: int, low: Tensor, high: Tensor,
+                        rounds: int = REFIT_ROUNDS) -> tuple[Tensor, Tensor]:
+    """(scales, offsets) [N, num_groups], in w4's scale dtype for `weight`, refitted from the ranges [low, high].
+
+    Starts from the levels of each group's range (``offset = low``, ``scale = (high - low) / 15``).
+    Each round: q = the codes of the group's values on the current levels (clamped to 0..15); the
+    (scale, offset) minimizing ``d^T G_g d`` with ``d = q * scale + offset - w`` (the normal
+    equations of the two unknowns, solved in float64); rounded to the scale dtype; a group takes
+    them only where the scale is positive and its error is below its best so far. `blocks` as
+    search_range takes them.
+    """
+    grouped = grouped_columns(weight.float(), group_size)
+    scales, offsets = w4_range_params(low, high, w4_scale_dtype(weight))
+    best_error = _group_errors(grouped, scales, offsets, blocks)
+    blocks64, grouped64 = blocks.double(), grouped.double()
+    gram_ones = blocks64.sum(-1)                                   # G_g 1, [G, gs]
+    ones_gram_ones = gram_ones.sum(-1)                             # 1^T G_g 1, [G]
+    ones_gram_w = torch.einsum("ngi,gi->ng", grouped64, gram_ones)  # 1^T G_g w
+    for _ in range(rounds):
+        q = w4_levels(grouped, scales.unsqueeze(-1), offsets.unsqueeze(-1)).double()
+        gram_q = torch.einsum("gij,ngj->ngi", blocks64, q)
+        q_gram_q, ones_gram_q = (q * gram_q).sum(-1), gram_q.sum(-1)
+        w_gram_q = (grouped64 * gram_q).sum(-1)
+        det = q_gram_q * ones_gram_ones - ones_gram_q ** 2
+        solvable = det > 1e-9 * q_gram_q * ones_gram_ones
+        safe_det = torch.where(solvable, det, torch.ones_like(det))
+        new_scales = ((w_gram_q * ones_gram_ones - ones_gram_w * ones_gram_q) / safe_det).to(scales.dtype)
+        new_offsets = ((q_gram_q * ones_gram_w - ones_gram_q * w_gram_q) / safe_det).to(offsets.dtype)
+        valid = solvable & (new_scales > 0) & torch.isfinite(new_scales) & torch.isfinite(new_offsets)
+        error = _group_errors(grouped, torch.where(valid, new_scales, scales),
+                              torch.where(valid, new_offsets, offsets), blocks)
+        better = valid & (error < best_error)
+        if not bool(better.any()):
+            break
+        scales = torch.where(better, new_scales, scales)
+        offsets = torch.where(better, new_offsets, offsets)
+        best_error = torch.where(better, error, best_error)
+    return scales, offsets
+
+
+def _group_errors(grouped: Tensor, scales: Tensor, offsets: Tensor, blocks: Tensor) -> Tensor:
+    """``d^T G_g d`` per row and group [N, G] for the values w4 stores on (scales, offsets)."""
+    levels = w4_levels(grouped, scales.unsqueeze(-1), offsets.unsqueeze(-1))
+    error = levels * scales.unsqueeze(-1).float() + offsets.unsqueeze(-1).float() - grouped
+    return torch.einsum("ngi,gij,ngj->ng", error, blocks, error)

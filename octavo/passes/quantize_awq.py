@@ -20,13 +20,16 @@ which quantize_weights stores as it is).
 
 ``quantize_linear`` then chooses each (scaled) weight's range per row and group by
 awq_search.search_range, on the input's Gram matrix divided by ``s s^T`` (the input after the
-fold), clamps the weight to it and rounds it to the w4 layout by RTN (quantize_rtn.quantize_w4):
-the packed layout every w4 artifact has. The values' origin in the manifest is "awq".
+fold), refits each group's 16 levels from that range (awq_search.refine_group_params: the scale
+and offset of least output error for the group's codes, kept only where they lower it) and rounds
+every value to the nearest level (quantize_rtn.quantize_w4_on_params): the packed layout every w4
+artifact has. The values' origin in the manifest is "awq".
 
 Follows the AWQ paper and its reference code in: the ``s = mean|x| ** alpha`` grid of 20
 alphas, normalized scales, folding into the preceding op, the per-group clipping search of
 ``max|w|``, searched here as each end of the asymmetric range on its own (the w4 layout has an
-offset per group). Simplified: the statistics come from one run of the float model (the reference
+offset per group). Added (not in the paper): the level refit after the range search. Simplified: the
+statistics come from one run of the float model (the reference
 re-runs each block on the outputs of the already scaled blocks before it); the loss is each
 fused linear's own output error (the reference measures the whole attention or MLP block's
 output); o_proj is not folded into v (the reference folds it only when the shapes match,
@@ -50,14 +53,15 @@ from tqdm.auto import tqdm
 
 from octavo.ir.quantized_layout import W4, QuantizedWeight
 from octavo.passes.awq_search import (
-    clamp_groups,
+    REFIT_ROUNDS,
     gram_blocks,
+    refine_group_params,
     search_range,
     search_scales,
 )
 from octavo.passes.pattern_utils import is_call
 from octavo.passes.quant_schemes import QuantScheme, weight_input_stats
-from octavo.passes.quantize_rtn import quantize_w4, range_cuts_record, w4_scale_dtype
+from octavo.passes.quantize_rtn import quantize_w4, quantize_w4_on_params, range_cuts_record
 from octavo.passes.quantize_weights import keeps_supplied, provided_value
 
 logger = logging.getLogger(__name__)
@@ -118,9 +122,10 @@ class AWQScheme(QuantScheme):
         if name in self.input_scales:
             inverse = 1.0 / self.input_scales[name]
             gram = gram * inverse.unsqueeze(0) * inverse.unsqueeze(1)
-        low, high = search_range(weight, gram_blocks(gram, self.group_size), self.group_size)
-        quantized = quantize_w4(clamp_groups(weight, low, high, self.group_size), self.group_size,
-                                w4_scale_dtype(weight))
+        blocks = gram_blocks(gram, self.group_size)
+        low, high = search_range(weight, blocks, self.group_size)
+        scales, offsets = refine_group_params(weight, blocks, self.group_size, low, high)
+        quantized = quantize_w4_on_params(weight, self.group_size, scales, offsets)
         quantized.origin = "awq"
         return quantized
 
@@ -129,7 +134,9 @@ class AWQScheme(QuantScheme):
 
     def rounding_record(self) -> dict:
         """How quantize_linear picks each group's range, for the manifest."""
-        return {"range_search": range_cuts_record("d^T G_g d, G_g the group's block of the input's X^T X")}
+        return {"range_search": range_cuts_record("d^T G_g d, G_g the group's block of the input's X^T X"),
+                "level_refit": {"rounds": REFIT_ROUNDS, "least": "d^T G_g d",
+                                "kept": "per group, where below the range search's error"}}
 
 
 def fold_sites(graph_module: GraphModule, ctx) -> list[FoldSite]:

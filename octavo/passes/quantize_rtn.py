@@ -51,6 +51,17 @@ def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None
     return QuantizedWeight(W4, qweight, scales.contiguous(), offsets.contiguous(), group_size)
 
 
+def quantize_w4_on_params(weight: Tensor, group_size: int, scales: Tensor, offsets: Tensor) -> QuantizedWeight:
+    """w4 of `weight` [N, K] on given per-group (scales, offsets) [N, num_groups] (their dtype is stored): each
+    value rounded to the nearest of its group's 16 levels ``q * scale + offset`` (outside them: the nearest end)."""
+    weight = weight.float()
+    if weight.shape[1] % 2:
+        raise ValueError(f"w4 needs an even number of input features, got {weight.shape[1]}")
+    q = w4_levels(grouped_columns(weight, group_size), scales.unsqueeze(-1), offsets.unsqueeze(-1))
+    qweight = pack_int4(_ungrouped(q, weight.shape[1]).to(torch.uint8))
+    return QuantizedWeight(W4, qweight, scales.contiguous(), offsets.contiguous(), group_size)
+
+
 def fake_quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None) -> Tensor:
     """``quantize_w4(weight, group_size, scale_dtype).dequantize()`` without packing: the float32 weight RTN stores."""
     weight = weight.float()
