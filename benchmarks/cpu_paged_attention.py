@@ -67,6 +67,17 @@ def prefill_batch(dtype: torch.dtype, sequences: int, heads: int, kv_heads: int,
     return batch
 
 
+def quantize_pools(batch: dict, dtype: torch.dtype) -> None:
+    """Replace the float pools by ``dtype`` ones with a float32 scale per (block, token, kv head) row."""
+    for name in ("key_cache", "value_cache"):
+        pool = batch[name].float()
+        top = 127.0 if dtype == torch.int8 else 448.0
+        scales = pool.abs().amax(-1).clamp_min(1e-6) / top
+        values = pool / scales.unsqueeze(-1)
+        batch[name] = values.round().to(dtype) if dtype == torch.int8 else values.to(dtype)
+        batch[name.replace("_cache", "_scale_cache")] = scales
+
+
 def prefill_flops(batch: dict) -> int:
     heads, head_dim = batch["query"].shape[1:]
     pairs = sum(int(length) * (int(length) + 1) // 2 for length in batch["seq_lens"])
@@ -82,6 +93,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--hot", action="store_true", help="every sequence reads the same blocks (cache-resident)")
     parser.add_argument("--layers", type=int, default=4, help="pools cycled through, so that L3 does not hold them")
+    parser.add_argument("--cache-dtype", default="same", choices=["same", "int8", "fp8"],
+                        help="decode: the K/V pools in --dtype (same) or quantized with a float32 scale per row")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -93,7 +106,12 @@ def main() -> None:
         for batch in batches:
             batch["block_tables"] = torch.arange(batch["block_tables"].shape[1], dtype=torch.int32).expand_as(
                 batch["block_tables"]).contiguous()
-    visited = int(batches[0]["seq_lens"].sum()) * 3 * 64 * 2 * dtype.itemsize
+    row_bytes = 64 * dtype.itemsize
+    if args.cache_dtype != "same":
+        for batch in batches:
+            quantize_pools(batch, torch.int8 if args.cache_dtype == "int8" else torch.float8_e4m3fn)
+        row_bytes = 64 + 4
+    visited = int(batches[0]["seq_lens"].sum()) * 3 * 2 * row_bytes
     op = torch.ops.octavo_cpu.paged_attention
     for batch in batches:
         op(**batch)
@@ -105,7 +123,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - cpu_start)
     best = min(times)
-    print(f"{kernels.build_info} {args.dtype} cache, {args.threads} threads: {visited / 1e6:.1f} MB of K/V, "
+    cache = args.dtype if args.cache_dtype == "same" else args.cache_dtype
+    print(f"{kernels.build_info} {cache} cache, {args.threads} threads: {visited / 1e6:.1f} MB of K/V, "
           f"best {best * 1e3:.3f} ms, median {sorted(times)[len(times) // 2] * 1e3:.3f} ms, "
           f"{visited / best / 1e9:.1f} GB/s; CPU time of the calling thread: best {min(cpu_times) * 1e3:.3f} ms "
           f"(the whole op when it runs on one thread)")

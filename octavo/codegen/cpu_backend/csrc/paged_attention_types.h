@@ -121,6 +121,7 @@ struct Scratch {
   std::vector<int64_t> finished;  // decode sequences whose chunk partial the last item wrote
   std::vector<uint16_t> bf16_queries;       // decode queries as bfloat16 bits, for dpbf16 scoring
   std::vector<const uint16_t*> dot_queries;  // per query: its bfloat16 bits, nullptr where not exact
+  std::vector<uint32_t> weight_pairs;        // softmax weights as bfloat16 pairs, for dpbf16 weighting
   Lookahead ahead;                           // the next decode item's K and V lines
 };
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace octavo_cpu {
 namespace paged {
@@ -126,6 +127,57 @@ __attribute__((target("avx512bf16"))) void score_keys_dot_bf16(const uint16_t* q
     }
     (transpose_sum(acc) * Vec(scale)).store(scores + first);
   }
+}
+
+// weighted_values for bfloat16 rows of NP * 32 values by dpbf16 on pairs of keys (the weights of a bf16 model's
+// queries, on CPUs with AVX512_BF16): out[q][d] = sum over pairs (j, j + 1) of bf16(w_q[j]) v_j[d] +
+// bf16(w_q[j + 1]) v_{j+1}[d], the weights rounded to bfloat16 (nearest even: a relative error of at most 2^-9
+// each, as the bf16 prefill kernel rounds them), each product exact in float32, sums in float32 in pair order; an
+// odd last key pairs with a zero row and weight. Each pair's rows are interleaved once (VNNI words) for all NQ
+// queries. `pairs` is scratch for the weights as bf16 pairs.
+template <int NP, int NQ>
+__attribute__((target("avx512bf16"))) void weighted_values_dot_bf16(const float* const* weights,
+                                                                     const void* const* rows, int64_t n,
+                                                                     float* const* out, Lookahead& ahead,
+                                                                     std::vector<uint32_t>& pairs) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  alignas(64) static constexpr uint16_t kZeroRow[NP * 32] = {};
+  const int64_t num_pairs = (n + 1) / 2, stride = round_up(num_pairs, kLanes);
+  pairs.resize(NQ * stride);
+  for (int q = 0; q < NQ; ++q) {
+    for (int64_t j = 0; j < 2 * stride; j += 2 * kLanes) {
+      const auto part = [&](int64_t first) {
+        const int64_t count = std::clamp<int64_t>(n - first, 0, kLanes);
+        return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), weights[q] + first);
+      };
+      const __m512bh words = _mm512_cvtne2ps_pbh(part(j + kLanes), part(j));
+      _mm512_storeu_si512(pairs.data() + q * stride + j / 2, reinterpret_cast<__m512i>(words));
+    }
+  }
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  __m512 acc[NQ][2 * NP];
+  for (int q = 0; q < NQ; ++q)
+    for (int v = 0; v < 2 * NP; ++v) acc[q][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    const uint16_t* even = static_cast<const uint16_t*>(rows[2 * i]);
+    const uint16_t* odd = 2 * i + 1 < n ? static_cast<const uint16_t*>(rows[2 * i + 1]) : kZeroRow;
+    ahead.step(2 * kLookaheadPerValueRow);
+    __m512bh value[2 * NP];
+    for (int c = 0; c < NP; ++c) {
+      const __m512i a = _mm512_loadu_si512(even + c * 32), b = _mm512_loadu_si512(odd + c * 32);
+      value[2 * c] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(a, low, b));
+      value[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(a, high, b));
+    }
+    for (int q = 0; q < NQ; ++q) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pairs[q * stride + i])));
+      for (int v = 0; v < 2 * NP; ++v) acc[q][v] = _mm512_dpbf16_ps(acc[q][v], w, value[v]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int v = 0; v < 2 * NP; ++v) _mm512_storeu_ps(out[q] + v * kLanes, acc[q][v]);
 }
 #else
 constexpr bool kHasDotBf16 = false;
