@@ -41,14 +41,9 @@ def quantize_w8(weight: Tensor, group_size: int | None = None) -> QuantizedWeigh
 
 def quantize_w4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
     """Asymmetric 4-bit RTN with min/max range per group (K must be even)."""
-    weight = weight.float()
-    if weight.shape[1] % 2:
-        raise ValueError(f"w4 needs an even number of input features, got {weight.shape[1]}")
-    grouped = grouped_columns(weight, group_size)
+    grouped = grouped_columns(weight.float(), group_size)
     scales, offsets = w4_range_params(grouped.amin(-1), grouped.amax(-1), scale_dtype)
-    q = w4_levels(grouped, scales.unsqueeze(-1), offsets.unsqueeze(-1))
-    qweight = pack_int4(_ungrouped(q, weight.shape[1]).to(torch.uint8))
-    return QuantizedWeight(W4, qweight, scales.contiguous(), offsets.contiguous(), group_size)
+    return quantize_w4_on_params(weight, group_size, scales, offsets)
 
 
 def quantize_w4_on_params(weight: Tensor, group_size: int, scales: Tensor, offsets: Tensor) -> QuantizedWeight:

@@ -24,6 +24,21 @@ constexpr int kLookaheadPerScoredGroup = 8, kLookaheadPerValueRow = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Two rows of 32 bfloat16 as VNNI words, the pairs vdpbf16ps multiplies: low[i] = (even[i], odd[i]) and
+// high[i] = (even[16 + i], odd[16 + i]) for i < 16, the even row's value in the low half of each word.
+__attribute__((always_inline)) inline void interleave_bf16_rows(const uint16_t* even, const uint16_t* odd,
+                                                                 __m512i& low, __m512i& high) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i a = _mm512_loadu_si512(even), b = _mm512_loadu_si512(odd);
+  low = _mm512_permutex2var_epi16(a, _mm512_load_si512(kLow), b);
+  high = _mm512_permutex2var_epi16(a, _mm512_load_si512(kHigh), b);
+}
+#endif
+
 template <typename T>
 constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
 

@@ -140,10 +140,6 @@ __attribute__((target("avx512bf16"))) void weighted_values_dot_bf16(const float*
                                                                      const void* const* rows, int64_t n,
                                                                      float* const* out, Lookahead& ahead,
                                                                      std::vector<uint32_t>& pairs) {
-  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   alignas(64) static constexpr uint16_t kZeroRow[NP * 32] = {};
   const int64_t num_pairs = (n + 1) / 2, stride = round_up(num_pairs, kLanes);
   pairs.resize(NQ * stride);
@@ -157,7 +153,6 @@ __attribute__((target("avx512bf16"))) void weighted_values_dot_bf16(const float*
       _mm512_storeu_si512(pairs.data() + q * stride + j / 2, reinterpret_cast<__m512i>(words));
     }
   }
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   __m512 acc[NQ][2 * NP];
   for (int q = 0; q < NQ; ++q)
     for (int v = 0; v < 2 * NP; ++v) acc[q][v] = _mm512_setzero_ps();
@@ -167,9 +162,10 @@ __attribute__((target("avx512bf16"))) void weighted_values_dot_bf16(const float*
     ahead.step(2 * kLookaheadPerValueRow);
     __m512bh value[2 * NP];
     for (int c = 0; c < NP; ++c) {
-      const __m512i a = _mm512_loadu_si512(even + c * 32), b = _mm512_loadu_si512(odd + c * 32);
-      value[2 * c] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(a, low, b));
-      value[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(a, high, b));
+      __m512i low, high;
+      interleave_bf16_rows(even + c * 32, odd + c * 32, low, high);
+      value[2 * c] = reinterpret_cast<__m512bh>(low);
+      value[2 * c + 1] = reinterpret_cast<__m512bh>(high);
     }
     for (int q = 0; q < NQ; ++q) {
       const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pairs[q * stride + i])));

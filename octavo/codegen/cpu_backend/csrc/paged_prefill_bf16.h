@@ -153,19 +153,15 @@ OCTAVO_BF16_TARGET void bf16_weigh_rows(const Bf16Tile& t, int64_t rows, int64_t
 
 // t.values = the value rows of the tile as pairs of keys (VNNI layout), an odd last key paired with zeros.
 inline void bf16_pack_values(Bf16Tile& t, int64_t n, int64_t value_dim) {
-  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t j = 0; j < n; j += 2) {
     const uint16_t* even = t.value_rows[j];
     const uint16_t* odd = j + 1 < n ? t.value_rows[j + 1] : t.zeros.data();
     uint32_t* dst = t.values.data() + (j / 2) * value_dim;
     for (int64_t d = 0; d < value_dim; d += 32) {
-      const __m512i a = _mm512_loadu_si512(even + d), b = _mm512_loadu_si512(odd + d);
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(a, low, b));
-      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(a, high, b));
+      __m512i low, high;
+      interleave_bf16_rows(even + d, odd + d, low, high);
+      _mm512_storeu_si512(dst + d, low);
+      _mm512_storeu_si512(dst + d + 16, high);
     }
   }
 }
