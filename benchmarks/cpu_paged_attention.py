@@ -5,6 +5,7 @@ repeats is what counts (the machine may be shared).
 
 - ``--mode decode``: 64 decoding sequences with contexts 64..640 (spread evenly); reports the
   effective K/V read bandwidth of the op alone (bytes of the visited K and V rows / time).
+  ``--cache-dtype int8|fp8`` quantizes the pools (a float32 scale per row) to measure those cache paths.
 - ``--mode prefill``: one prefill step of ``--sequences`` whole prompts of 67..508 tokens (spread
   evenly, as in the throughput workload); reports GFLOP/s of the causal attention (4 * head_dim
   flops per visible (query, key) pair and query head: q . k and p * v).

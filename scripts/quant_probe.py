@@ -3,7 +3,7 @@
     python scripts/quant_probe.py --method {fp32,rtn,awq,gptq,awqgptq} --gs 64 --tokens 4096 --threads 1 \
         [--act-order] [--damp-mode mean|median|diag] [--sink keep|drop|cap] [--float-stats] [--only REGEX]
         [--scale-forms act|duo|both|rms] [--alpha-cuts STEPS,MAX] [--block-loss N] [--awq-vo]
-        [--awq-range-error block|diag] [--range-search] [--gptq-range ends|mid]
+        [--awq-range-error block|diag] [--range-search] [--gptq-range ends|mid] [--refit ROUNDS]
 
 A measuring tool for choosing what to build, not the compiler's path: the float HF model (the
 dequantized GGUF), calibrated on the same runs as the compiler (the built-in calibration text, up to
@@ -23,6 +23,8 @@ group's range searched over grid_cuts(STEPS, MAX) instead of plain RTN; --scale-
 --block-loss N scores each alpha on the whole attention / MLP block's output over N runs (the reference
 code's loss) instead of each linear's own; --awq-vo also folds o_proj's scales into v_proj's rows (one per
 kv channel); --awq-range-error diag scores the range cuts by the Gram block's diagonal only.
+--refit N refits each group's levels after the range search (N rounds of awq_search.refine_group_params, what
+w4-awq does with 4; 0 stores the searched range's own levels).
 GPTQ: --gptq-range mid searches its group ranges among symmetric cuts (w4-awq-gptq's) instead of each end
 cut on its own (w4-gptq's).
 """
