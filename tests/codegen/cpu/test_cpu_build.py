@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import torch
+import os
+import subprocess
+import sysconfig
 
-from octavo.codegen.cpu_backend.build import KERNELS_DIR_ENV, library_dir, library_key
-from octavo.codegen.cpu_backend.isa import CpuTarget
+import torch
+from torch.utils import cpp_extension
+
+from octavo.codegen.cpu_backend.build import (
+    KERNELS_DIR_ENV,
+    SOURCE_DIR,
+    SOURCES,
+    compile_flags,
+    library_dir,
+    library_key,
+)
+from octavo.codegen.cpu_backend.isa import LEVELS, CpuTarget, cpu_target
 
 
 def test_the_loaded_library_was_built_for_this_target(cpu_kernels):
@@ -30,3 +42,25 @@ def test_a_changed_compiler_is_another_build(monkeypatch):
     before = library_key(target)
     monkeypatch.setenv("CXX", "clang++")
     assert library_key(target) != before
+
+
+def test_the_levels_this_machine_does_not_build_compile_too():
+    """The suite builds and runs only this CPU's level; the other levels' sources must compile as well (an
+    AVX2-only or pre-AVX2 machine builds them at first use). Each source is compiled with that level's flags in
+    syntax-only mode, which parses and instantiates every template as the real build does."""
+    others = [level for level in LEVELS if level != cpu_target().level]
+    includes = [f"-I{SOURCE_DIR}", *(f"-isystem{path}" for path in cpp_extension.include_paths()),
+                f"-isystem{sysconfig.get_paths()['include']}"]
+    failures = []
+    for level in others:
+        # The C++ standard and the defines cpp_extension.load compiles the library with.
+        command = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                   *includes, *compile_flags(CpuTarget(level, False, False))]
+        runs = {name: subprocess.Popen([*command, str(SOURCE_DIR / name)], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True) for name in SOURCES}
+        for name, run in runs.items():
+            output, _ = run.communicate(timeout=600)
+            if run.returncode != 0:
+                errors = [line for line in output.splitlines() if "error" in line]
+                failures.append(f"{level} {name}: " + "\n".join(errors[:5]))
+    assert others and not failures, "\n".join(failures)

@@ -139,11 +139,13 @@ void query_group_partials(const Problem& p, int64_t n, const float* const* queri
       }
     }
   }
-  if constexpr (std::is_same_v<CT, c10::BFloat16> && kHasDotBf16 && NV % 2 == 0) {
+#if defined(CPU_CAPABILITY_AVX512)  // the dpbf16 weighting and the CPU check exist in AVX-512 builds only
+  if constexpr (std::is_same_v<CT, c10::BFloat16> && NV % 2 == 0) {
     if (p.bf16_queries && cpu_has_avx512_bf16()) {  // a bf16 model's queries: its weights are rounded to bf16
       return weighted_values_dot_bf16<NV / 2, NQ>(scores, s.value_sources.data(), n, records, s.ahead, s.weight_pairs);
     }
   }
+#endif
   weighted_values<CT, NV, NQ>(scores, s.value_sources.data(), n, records, s.ahead);
 }
 
