@@ -10,12 +10,14 @@
 // each query is the same code in the same order either way, so results are bitwise equal with or without
 // sharing, and equal whatever else is in the batch.
 // Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
-// softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h).
+// softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h); whole prompts
+// with no cached context may take ATen's flash attention instead (prefill_fresh_prompts.h).
 // All work items of a call share one pool of threads, handed out one at a time.
 #include "paged_cache_write.h"
 #include "paged_decode.h"
 #include "paged_prefill.h"
 #include "paged_schedule.h"
+#include "prefill_fresh_prompts.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -314,7 +316,7 @@ void dispatch_cache_type(at::ScalarType type, const F& body) {
 }
 
 at::Tensor padded_float(const at::Tensor& t, int64_t padded) {
-  if (t.scalar_type() == at::kFloat && t.size(-1) == padded && t.is_contiguous()) return t;
+  if (t.size(-1) == padded) return t.to(at::kFloat).contiguous();  // no padding to zero
   at::Tensor result = at::zeros({t.size(0), t.size(1), padded}, t.options().dtype(at::kFloat));
   result.narrow(2, 0, t.size(2)).copy_(t);
   return result;
@@ -379,22 +381,46 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     }
   });
 
-  // 2. Attention, into a float buffer with rows padded to whole vectors.
+  // 2. Attention: whole prompts ATen's flash attention takes write their rows of the result directly; the paged
+  // kernels write the other sequences' rows into a float buffer with rows padded to whole vectors.
+  const int32_t* start_data = starts.const_data_ptr<int32_t>();
+  const int32_t* length_data = seq_lens.const_data_ptr<int32_t>();
+  const std::vector<uint8_t> fresh = fresh_prompts(query, key, key_cache.scalar_type(), sliding_window,
+                                                   head_dim == value_dim, length_data, start_data, batch);
+  bool paged_rows = fresh.empty();
+  for (int64_t b = 0; b < batch && !paged_rows; ++b) paged_rows = !fresh[b] && start_data[b + 1] > start_data[b];
   const int64_t padded_dim = round_up(head_dim, kLanes), padded_value_dim = round_up(value_dim, kLanes);
-  const at::Tensor query_f = padded_float(query, padded_dim);
-  at::Tensor output_f = at::empty({num_tokens, num_heads, padded_value_dim}, query.options().dtype(at::kFloat));
-  const int64_t used = starts.const_data_ptr<int32_t>()[batch];
-  if (used < num_tokens) output_f.narrow(0, used, num_tokens - used).zero_();
+  const at::Tensor query_f = paged_rows ? padded_float(query, padded_dim) : at::Tensor();
+  at::Tensor output_f = at::empty({paged_rows ? num_tokens : 0, num_heads, padded_value_dim},
+                                  query.options().dtype(at::kFloat));
+  const int64_t used = start_data[batch];
+  if (paged_rows && used < num_tokens) output_f.narrow(0, used, num_tokens - used).zero_();
   Problem problem{num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim, value_dim, padded_dim, padded_value_dim,
                   block_size, static_cast<float>(scale), sliding_window, tables.const_data_ptr<int32_t>(),
-                  tables.stride(0), query_f.const_data_ptr<float>(), output_f.data_ptr<float>(), keys, values};
+                  tables.stride(0), paged_rows ? query_f.const_data_ptr<float>() : nullptr,
+                  paged_rows ? output_f.data_ptr<float>() : nullptr, keys, values};
   problem.bf16_queries = query.scalar_type() == at::kBFloat16;
-  dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
-    attend<decltype(tag)>(problem, seq_lens.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>(), batch);
-  });
-  if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
-  // Contiguous like the reference op's result: graphs view it as [tokens, heads * value_dim].
-  return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
+  problem.computed_elsewhere = fresh.empty() ? nullptr : fresh.data();
+  if (paged_rows) {
+    dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
+      attend<decltype(tag)>(problem, length_data, start_data, batch);
+    });
+  }
+  if (fresh.empty()) {
+    if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
+    // Contiguous like the reference op's result: graphs view it as [tokens, heads * value_dim].
+    return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
+  }
+  at::Tensor result = at::empty({num_tokens, num_heads, value_dim}, query.options());
+  attend_fresh_prompts(fresh, query, key, value, result, start_data, scale);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = start_data[b + 1] - start_data[b];
+    if (!fresh[b] && n > 0) {
+      result.narrow(0, start_data[b], n).copy_(output_f.narrow(0, start_data[b], n).narrow(2, 0, value_dim));
+    }
+  }
+  if (used < num_tokens) result.narrow(0, used, num_tokens - used).zero_();
+  return result;
 }
 
 // How paged_attention would split a batch into work items at the current thread count: {prefill tiles, shared

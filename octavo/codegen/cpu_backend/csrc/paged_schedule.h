@@ -63,7 +63,7 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
   const int64_t rows_per_item = std::max<int64_t>(1, kPrefillRows / p.group);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b], seq_len = seq_lens[b];
-    if (q_len == 0) continue;
+    if (q_len == 0 || (p.computed_elsewhere != nullptr && p.computed_elsewhere[b])) continue;
     if (q_len > 1) {
       for (int64_t i = 0; i < q_len; i += rows_per_item) {
         for (int64_t h = 0; h < p.num_kv_heads; ++h) prefill.push_back({Kind::kPrefill, b, seq_len - q_len + i, h});
@@ -109,12 +109,15 @@ inline Schedule plan(const Problem& p, const int32_t* seq_lens, const int32_t* s
 }
 
 // plan() reads only these: the problem's block size, window, kv heads and group, the batch's lengths, query
-// starts and the table entries of the blocks its sequences use, and the thread count.
+// starts, which sequences another kernel attends, the table entries of the blocks its sequences use, and the
+// thread count.
 inline std::vector<int64_t> plan_inputs(const Problem& p, const int32_t* seq_lens, const int32_t* starts,
                                         int64_t batch, int64_t threads) {
   std::vector<int64_t> key{p.block_size, p.window, p.num_kv_heads, p.group, batch, threads};
   key.insert(key.end(), seq_lens, seq_lens + batch);
   key.insert(key.end(), starts, starts + batch + 1);
+  key.push_back(p.computed_elsewhere != nullptr);
+  if (p.computed_elsewhere != nullptr) key.insert(key.end(), p.computed_elsewhere, p.computed_elsewhere + batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t* row = p.block_tables + b * p.table_stride;
     key.insert(key.end(), row, row + (seq_lens[b] + p.block_size - 1) / p.block_size);
