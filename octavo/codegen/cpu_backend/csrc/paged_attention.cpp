@@ -10,14 +10,14 @@
 // each query is the same code in the same order either way, so results are bitwise equal with or without
 // sharing, and equal whatever else is in the batch.
 // Prefill and chunked prefill (several query tokens): flash attention over key tiles with an online
-// softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h); whole prompts
-// with no cached context may take ATen's flash attention instead (prefill_fresh_prompts.h).
+// softmax, one work item per (sequence, kv head, tile of query positions) (paged_prefill.h); on CPUs with
+// AMX, long enough prefills take ATen's flash attention instead (prefill_aten.h).
 // All work items of a call share one pool of threads, handed out one at a time.
 #include "paged_cache_write.h"
 #include "paged_decode.h"
 #include "paged_prefill.h"
 #include "paged_schedule.h"
-#include "prefill_fresh_prompts.h"
+#include "prefill_aten.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -381,14 +381,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     }
   });
 
-  // 2. Attention: whole prompts ATen's flash attention takes write their rows of the result directly; the paged
+  // 2. Attention: the prefills ATen's flash attention takes write their rows of the result directly; the paged
   // kernels write the other sequences' rows into a float buffer with rows padded to whole vectors.
   const int32_t* start_data = starts.const_data_ptr<int32_t>();
   const int32_t* length_data = seq_lens.const_data_ptr<int32_t>();
-  const std::vector<uint8_t> fresh = fresh_prompts(query, key, key_cache.scalar_type(), sliding_window,
+  const std::vector<uint8_t> by_aten = aten_prefills(query, key, key_cache.scalar_type(), sliding_window,
                                                    head_dim == value_dim, length_data, start_data, batch);
-  bool paged_rows = fresh.empty();
-  for (int64_t b = 0; b < batch && !paged_rows; ++b) paged_rows = !fresh[b] && start_data[b + 1] > start_data[b];
+  bool paged_rows = by_aten.empty();
+  for (int64_t b = 0; b < batch && !paged_rows; ++b) paged_rows = !by_aten[b] && start_data[b + 1] > start_data[b];
   const int64_t padded_dim = round_up(head_dim, kLanes), padded_value_dim = round_up(value_dim, kLanes);
   const at::Tensor query_f = paged_rows ? padded_float(query, padded_dim) : at::Tensor();
   at::Tensor output_f = at::empty({paged_rows ? num_tokens : 0, num_heads, padded_value_dim},
@@ -400,22 +400,24 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                   tables.stride(0), paged_rows ? query_f.const_data_ptr<float>() : nullptr,
                   paged_rows ? output_f.data_ptr<float>() : nullptr, keys, values};
   problem.bf16_queries = query.scalar_type() == at::kBFloat16;
-  problem.computed_elsewhere = fresh.empty() ? nullptr : fresh.data();
+  problem.computed_elsewhere = by_aten.empty() ? nullptr : by_aten.data();
   if (paged_rows) {
     dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
       attend<decltype(tag)>(problem, length_data, start_data, batch);
     });
   }
-  if (fresh.empty()) {
+  if (by_aten.empty()) {
     if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
     // Contiguous like the reference op's result: graphs view it as [tokens, heads * value_dim].
     return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
   }
   at::Tensor result = at::empty({num_tokens, num_heads, value_dim}, query.options());
-  attend_fresh_prompts(fresh, query, key, value, result, start_data, scale);
+  const AtenPrefill aten{query, key, value, keys, values, tables.const_data_ptr<int32_t>(), tables.stride(0),
+                         block_size, scale};
+  attend_aten_prefills(aten, by_aten, length_data, start_data, result);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = start_data[b + 1] - start_data[b];
-    if (!fresh[b] && n > 0) {
+    if (!by_aten[b] && n > 0) {
       result.narrow(0, start_data[b], n).copy_(output_f.narrow(0, start_data[b], n).narrow(2, 0, value_dim));
     }
   }

@@ -1,0 +1,162 @@
+// Prefill attention through ATen's flash attention for CPUs (aten::_scaled_dot_product_flash_attention_for_cpu),
+// which multiplies bf16 tiles with AMX where the CPU has it: there the op runs 1.2-2.2x faster than with the paged
+// prefill kernel's AVX-512 dot products on SmolLM2's shapes (whole prompts of 67-508 tokens, chunks of 32-96 over
+// 384 cached tokens).
+//
+// - A whole prompt (no cached context) attends only to its own new keys, which the call received as contiguous
+//   rows: the dense kernel reads them where they are, causal.
+// - A prompt chunk over cached blocks (prefix caching, chunked prefill): its cached keys and values are copied out
+//   of the pool into one contiguous run followed by its new rows (O(context) bytes against O(chunk x context)
+//   arithmetic), and an additive mask of the query dtype (0 where a key's position is at most the query's, -inf
+//   elsewhere) gives the causal alignment of the chunk's last row with the context's end.
+// Query, key, value and cache share a dtype, so these are the values the cache holds. Decodes, sliding windows and
+// quantized caches stay on the paged kernels.
+//
+// OCTAVO_CPU_PREFILL_ATTENTION chooses: "auto" (the default: bf16 on CPUs with AMX-BF16, whole prompts of at
+// least kWholePromptMinTokens, chunks of at least kChunkMinTokens), "aten" (every prefill of 2 or more query
+// tokens in any float dtype, on any CPU: what the tests use to check this path on machines without AMX) or
+// "paged" (never).
+#pragma once
+
+#include "paged_attention_types.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace octavo_cpu {
+namespace paged {
+
+// Shorter prefills gain little (ATen's per-call set-up, and for chunks the copy and the mask, are a larger part of
+// them) and the paged kernel runs several of them in one parallel region.
+constexpr int64_t kWholePromptMinTokens = 64;
+constexpr int64_t kChunkMinTokens = 32;
+
+// Whether this CPU executes AMX-BF16 tile multiplies (CPUID leaf 7: AMX-BF16 is EDX bit 22, AMX-TILE bit 24).
+inline bool cpu_has_amx_bf16() {
+  static const bool present = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    return ((edx >> 22) & 1u) != 0 && ((edx >> 24) & 1u) != 0;
+#else
+    return false;
+#endif
+  }();
+  return present;
+}
+
+enum class PrefillPath { kAuto, kAten, kPaged };
+
+inline PrefillPath prefill_path_mode() {
+  const char* value = std::getenv("OCTAVO_CPU_PREFILL_ATTENTION");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return PrefillPath::kAuto;
+  if (std::strcmp(value, "aten") == 0) return PrefillPath::kAten;
+  if (std::strcmp(value, "paged") == 0) return PrefillPath::kPaged;
+  TORCH_CHECK(false, "OCTAVO_CPU_PREFILL_ATTENTION must be auto, aten or paged, got '", value, "'");
+}
+
+// One flag per sequence of the batch: 1 where ATen's kernel computes its attention; empty when none does.
+inline std::vector<uint8_t> aten_prefills(const at::Tensor& query, const at::Tensor& key, at::ScalarType cache_type,
+                                          int64_t sliding_window, bool square_heads, const int32_t* seq_lens,
+                                          const int32_t* starts, int64_t batch) {
+  const PrefillPath mode = prefill_path_mode();
+  const at::ScalarType type = query.scalar_type();
+  const bool eligible = mode != PrefillPath::kPaged && type == cache_type && key.scalar_type() == type &&
+                        sliding_window <= 0 && square_heads;
+  const bool wanted = mode == PrefillPath::kAten || (type == at::kBFloat16 && cpu_has_amx_bf16());
+  std::vector<uint8_t> flags;
+  if (!eligible || !wanted) return flags;
+  const bool any = mode == PrefillPath::kAten;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    const int64_t shortest = any ? 2 : (q_len == seq_lens[b] ? kWholePromptMinTokens : kChunkMinTokens);
+    if (q_len >= shortest) {
+      flags.resize(batch, 0);
+      flags[b] = 1;
+    }
+  }
+  return flags;
+}
+
+// rows[0, n) = the pool's rows of positions [0, n) (every kv head), read through the sequence's block table.
+inline void copy_cached_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t n,
+                             int64_t element_size, int64_t num_kv_heads, int64_t head_dim, at::Tensor& rows) {
+  char* out = static_cast<char*>(rows.data_ptr());
+  const char* base = static_cast<const char*>(pool.data);
+  const int64_t head_bytes = head_dim * element_size;
+  for (int64_t position = 0; position < n; ++position) {
+    const char* row = base + (blocks[position / block_size] * pool.block_stride +
+                              (position % block_size) * pool.token_stride) * element_size;
+    for (int64_t head = 0; head < num_kv_heads; ++head) {
+      std::memcpy(out + (position * num_kv_heads + head) * head_bytes, row + head * pool.head_stride * element_size,
+                  head_bytes);
+    }
+  }
+}
+
+struct AtenPrefill {
+  const at::Tensor& query;
+  const at::Tensor& key;
+  const at::Tensor& value;
+  const Pool& keys;
+  const Pool& values;
+  const int32_t* block_tables;
+  int64_t table_stride, block_size;
+  double scale;
+};
+
+// result[rows of b] = softmax(q k^T * scale + causal mask) v over sequence b's cached and new rows, for every
+// flagged b (result: [tokens, heads, value_dim] in the query's dtype).
+inline void attend_aten_prefills(const AtenPrefill& a, const std::vector<uint8_t>& flags, const int32_t* seq_lens,
+                                 const int32_t* starts, at::Tensor& result) {
+  const int64_t num_kv_heads = a.key.size(1), head_dim = a.key.size(2), element_size = a.query.element_size();
+  for (size_t b = 0; b < flags.size(); ++b) {
+    if (!flags[b]) continue;
+    const int64_t begin = starts[b], n = starts[b + 1] - starts[b], cached = seq_lens[b] - n;
+    at::Tensor keys = a.key.narrow(0, begin, n), values = a.value.narrow(0, begin, n);
+    std::optional<at::Tensor> mask;
+    std::vector<float> additive;  // the mask's values; a float32 mask is a view of them, so they outlive the call
+    if (cached > 0) {
+      const int32_t* blocks = a.block_tables + b * a.table_stride;
+      keys = at::empty({cached + n, num_kv_heads, head_dim}, a.key.options());
+      values = at::empty({cached + n, num_kv_heads, head_dim}, a.value.options());
+      at::Tensor cached_keys = keys.narrow(0, 0, cached), cached_values = values.narrow(0, 0, cached);
+      copy_cached_rows(a.keys, blocks, a.block_size, cached, element_size, num_kv_heads, head_dim, cached_keys);
+      copy_cached_rows(a.values, blocks, a.block_size, cached, element_size, num_kv_heads, head_dim, cached_values);
+      keys.narrow(0, cached, n).copy_(a.key.narrow(0, begin, n));
+      values.narrow(0, cached, n).copy_(a.value.narrow(0, begin, n));
+      // Query i (position cached + i) sees keys 0 .. cached + i.
+      additive.assign(n * (cached + n), 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        std::fill(additive.begin() + i * (cached + n) + cached + i + 1, additive.begin() + (i + 1) * (cached + n),
+                  -std::numeric_limits<float>::infinity());
+      }
+      mask = at::from_blob(additive.data(), {1, 1, n, cached + n}, at::TensorOptions().dtype(at::kFloat))
+                 .to(a.query.scalar_type());
+    }
+    // [rows, heads, dim] seen as [1, heads, rows, dim]: the kernel takes strided inputs and grouped kv heads.
+    const auto as_batch = [](const at::Tensor& rows) { return rows.unsqueeze(0).transpose(1, 2); };
+    const auto attended = at::_scaled_dot_product_flash_attention_for_cpu(
+        as_batch(a.query.narrow(0, begin, n)), as_batch(keys), as_batch(values), 0.0, !mask.has_value(), mask,
+        a.scale);
+    result.narrow(0, begin, n).copy_(std::get<0>(attended)[0].transpose(0, 1));
+  }
+}
+
+}  // namespace paged
+}  // namespace octavo_cpu
