@@ -12,10 +12,10 @@
 // Query, key, value and cache share a dtype, so these are the values the cache holds. Decodes, sliding windows and
 // quantized caches stay on the paged kernels.
 //
-// OCTAVO_CPU_PREFILL_ATTENTION chooses: "auto" (the default: bf16 on CPUs with AMX-BF16, whole prompts of at
-// least kWholePromptMinTokens, chunks of at least kChunkMinTokens), "aten" (every prefill of 2 or more query
-// tokens in any float dtype, on any CPU: what the tests use to check this path on machines without AMX) or
-// "paged" (never).
+// OCTAVO_CPU_PREFILL_ATTENTION chooses, in the AVX-512 build (the others never take this path): "auto" (the
+// default: bf16 on CPUs with AMX-BF16, whole prompts of at least kWholePromptMinTokens, chunks of at least
+// kChunkMinTokens), "aten" (every prefill of 2 or more query tokens in any float dtype: what the tests use to
+// check this path on AVX-512 machines without AMX) or "paged" (never).
 #pragma once
 
 #include "paged_attention_types.h"
@@ -75,6 +75,11 @@ inline std::vector<uint8_t> aten_prefills(const at::Tensor& query, const at::Ten
                                           int64_t sliding_window, bool square_heads, const int32_t* seq_lens,
                                           const int32_t* starts, int64_t batch) {
   const PrefillPath mode = prefill_path_mode();
+#if !defined(CPU_CAPABILITY_AVX512)
+  // Only the AVX-512 build: under ATEN_CPU_CAPABILITY=avx2 or default on an AMX CPU, ATen's own reduced-precision
+  // flash kernel still packs for AMX and fails ("pack_vnni2 is only supported when avx512 is supported").
+  return {};
+#endif
   const at::ScalarType type = query.scalar_type();
   const bool eligible = mode != PrefillPath::kPaged && type == cache_type && key.scalar_type() == type &&
                         sliding_window <= 0 && square_heads;
