@@ -412,8 +412,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
   }
   at::Tensor result = at::empty({num_tokens, num_heads, value_dim}, query.options());
-  const AtenPrefill aten{query, key, value, keys, values, tables.const_data_ptr<int32_t>(), tables.stride(0),
-                         block_size, scale};
+  const AtenPrefill aten{query, key, value, key_cache, value_cache, tables, scale};
   attend_aten_prefills(aten, by_aten, length_data, start_data, result);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = start_data[b + 1] - start_data[b];

@@ -5,9 +5,9 @@
 //
 // - A whole prompt (no cached context) attends only to its own new keys, which the call received as contiguous
 //   rows: the dense kernel reads them where they are, causal.
-// - A prompt chunk over cached blocks (prefix caching, chunked prefill): its cached keys and values are copied out
-//   of the pool into one contiguous run followed by its new rows (O(context) bytes against O(chunk x context)
-//   arithmetic), and an additive mask of the query dtype (0 where a key's position is at most the query's, -inf
+// - A prompt chunk over cached blocks (prefix caching, chunked prefill): its context's keys and values, the new
+//   rows included (the call wrote them first), are copied out of the pool's blocks into one contiguous run
+//   (O(context) bytes against O(chunk x context) arithmetic), and an additive mask of the query dtype (0 where a key's position is at most the query's, -inf
 //   elsewhere) gives the causal alignment of the chunk's last row with the context's end.
 // Query, key, value and cache share a dtype, so these are the values the cache holds. Decodes, sliding windows and
 // quantized caches stay on the paged kernels.
@@ -22,14 +22,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/index_select.h>
 #include <c10/util/Exception.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -98,61 +97,37 @@ inline std::vector<uint8_t> aten_prefills(const at::Tensor& query, const at::Ten
   return flags;
 }
 
-// rows[0, n) = the pool's rows of positions [0, n) (every kv head), read through the sequence's block table.
-inline void copy_cached_rows(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t n,
-                             int64_t element_size, int64_t num_kv_heads, int64_t head_dim, at::Tensor& rows) {
-  char* out = static_cast<char*>(rows.data_ptr());
-  const char* base = static_cast<const char*>(pool.data);
-  const int64_t head_bytes = head_dim * element_size;
-  for (int64_t position = 0; position < n; ++position) {
-    const char* row = base + (blocks[position / block_size] * pool.block_stride +
-                              (position % block_size) * pool.token_stride) * element_size;
-    for (int64_t head = 0; head < num_kv_heads; ++head) {
-      std::memcpy(out + (position * num_kv_heads + head) * head_bytes, row + head * pool.head_stride * element_size,
-                  head_bytes);
-    }
-  }
-}
-
 struct AtenPrefill {
   const at::Tensor& query;
   const at::Tensor& key;
   const at::Tensor& value;
-  const Pool& keys;
-  const Pool& values;
-  const int32_t* block_tables;
-  int64_t table_stride, block_size;
+  const at::Tensor& key_cache;    // already holding this call's rows
+  const at::Tensor& value_cache;
+  const at::Tensor& block_tables;  // int32 [batch, max_blocks]
   double scale;
 };
+
+// Positions [0, n) of sequence b's rows in `cache` (every kv head): its first blocks, taken whole, then cut.
+inline at::Tensor context_rows(const at::Tensor& cache, const at::Tensor& block_tables, int64_t b, int64_t n) {
+  const int64_t block_size = cache.size(1), blocks = (n + block_size - 1) / block_size;
+  return cache.index_select(0, block_tables[b].narrow(0, 0, blocks)).flatten(0, 1).narrow(0, 0, n);
+}
 
 // result[rows of b] = softmax(q k^T * scale + causal mask) v over sequence b's cached and new rows, for every
 // flagged b (result: [tokens, heads, value_dim] in the query's dtype).
 inline void attend_aten_prefills(const AtenPrefill& a, const std::vector<uint8_t>& flags, const int32_t* seq_lens,
                                  const int32_t* starts, at::Tensor& result) {
-  const int64_t num_kv_heads = a.key.size(1), head_dim = a.key.size(2), element_size = a.query.element_size();
   for (size_t b = 0; b < flags.size(); ++b) {
     if (!flags[b]) continue;
-    const int64_t begin = starts[b], n = starts[b + 1] - starts[b], cached = seq_lens[b] - n;
+    const int64_t begin = starts[b], n = starts[b + 1] - starts[b], length = seq_lens[b];
     at::Tensor keys = a.key.narrow(0, begin, n), values = a.value.narrow(0, begin, n);
     std::optional<at::Tensor> mask;
-    std::vector<float> additive;  // the mask's values; a float32 mask is a view of them, so they outlive the call
-    if (cached > 0) {
-      const int32_t* blocks = a.block_tables + b * a.table_stride;
-      keys = at::empty({cached + n, num_kv_heads, head_dim}, a.key.options());
-      values = at::empty({cached + n, num_kv_heads, head_dim}, a.value.options());
-      at::Tensor cached_keys = keys.narrow(0, 0, cached), cached_values = values.narrow(0, 0, cached);
-      copy_cached_rows(a.keys, blocks, a.block_size, cached, element_size, num_kv_heads, head_dim, cached_keys);
-      copy_cached_rows(a.values, blocks, a.block_size, cached, element_size, num_kv_heads, head_dim, cached_values);
-      keys.narrow(0, cached, n).copy_(a.key.narrow(0, begin, n));
-      values.narrow(0, cached, n).copy_(a.value.narrow(0, begin, n));
-      // Query i (position cached + i) sees keys 0 .. cached + i.
-      additive.assign(n * (cached + n), 0.f);
-      for (int64_t i = 0; i < n; ++i) {
-        std::fill(additive.begin() + i * (cached + n) + cached + i + 1, additive.begin() + (i + 1) * (cached + n),
-                  -std::numeric_limits<float>::infinity());
-      }
-      mask = at::from_blob(additive.data(), {1, 1, n, cached + n}, at::TensorOptions().dtype(at::kFloat))
-                 .to(a.query.scalar_type());
+    if (length > n) {
+      keys = context_rows(a.key_cache, a.block_tables, b, length);
+      values = context_rows(a.value_cache, a.block_tables, b, length);
+      // Query i (position length - n + i) sees keys 0 .. length - n + i: -inf above that diagonal, 0 elsewhere.
+      mask = at::full({1, 1, n, length}, -std::numeric_limits<double>::infinity(), a.query.options())
+                 .triu(length - n + 1);
     }
     // [rows, heads, dim] seen as [1, heads, rows, dim]: the kernel takes strided inputs and grouped kv heads.
     const auto as_batch = [](const at::Tensor& rows) { return rows.unsqueeze(0).transpose(1, 2); };
