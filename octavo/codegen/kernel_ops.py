@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from octavo.ir.ops.mutating_op import MutatingOp
+
 _REGISTERED: dict[str, torch._ops.OpOverload] = {}
 
 
@@ -34,7 +36,10 @@ def kernel_op(namespace: str, reference: torch._ops.OpOverload, kernel: Callable
     signature = schema[schema.index("("):]
     mutated = [argument.name for argument in reference._schema.arguments
                if argument.alias_info is not None and argument.alias_info.is_write]
-    op = torch.library.custom_op(name, kernel, mutates_args=mutated, schema=signature)
+    if mutated:
+        op = MutatingOp(name, kernel, mutated, schema=signature)
+    else:
+        op = torch.library.custom_op(name, kernel, mutates_args=(), schema=signature)
 
     @op.register_fake
     def _(*args, **kwargs):

@@ -66,6 +66,16 @@ def architecture_of(reader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def special_token_ids(reader) -> dict[str, int]:
+    """The GGUF's own special token ids, by role ("bos", "eos", ...): tokenizer.ggml.<role>_token_id."""
+    ids = {}
+    for role in ("bos", "eos", "unknown", "padding"):
+        field = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
+        if field is not None:
+            ids[role] = int(field.parts[field.data[0]][0])
+    return ids
+
+
 @contextlib.contextmanager
 def sharing(reader, path: Path) -> Iterator[None]:
     """While active, gguf.GGUFReader(`path`) (read-only) returns `reader` instead of parsing the file again.

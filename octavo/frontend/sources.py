@@ -15,7 +15,7 @@ import torch
 
 from octavo.errors import ModelSourceError
 from octavo.frontend.architectures import Architecture, architecture_for
-from octavo.frontend.gguf_reader import architecture_of, read_gguf, sharing
+from octavo.frontend.gguf_reader import architecture_of, read_gguf, sharing, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,23 @@ def _from_gguf(name: str, path: Path, kind: str) -> ModelSource:
         architecture = architecture_for(config)
         tokenizer = _read_tokenizer(
             lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
+    _use_gguf_special_tokens(tokenizer, special_token_ids(reader), path)
     return ModelSource(name, kind, path, config, tokenizer, architecture, _sha256_files([path]),
                        gguf_file=filename, _gguf_reader=reader)
+
+
+def _use_gguf_special_tokens(tokenizer, ids: dict[str, int], path: Path) -> None:
+    """Give the tokenizer the GGUF's own bos/eos tokens where transformers read others.
+
+    Some transformers releases (5.17) convert a GGUF tokenizer with its bos token as eos as well,
+    so generation would stop on the wrong token; the file's tokenizer.ggml.*_token_id decide.
+    """
+    for role in ("bos", "eos"):
+        if role in ids and getattr(tokenizer, f"{role}_token_id") != ids[role]:
+            token = tokenizer.convert_ids_to_tokens(ids[role])
+            logger.info("%s: %s token %r from the GGUF file (transformers read %r)", path.name, role, token,
+                        getattr(tokenizer, f"{role}_token"))
+            setattr(tokenizer, f"{role}_token", token)
 
 
 def _check_model_type(model_type: str | None) -> None:

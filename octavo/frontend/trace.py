@@ -19,6 +19,7 @@ from torch.fx import Graph, GraphModule
 
 from octavo.errors import OctavoError
 from octavo.frontend.sources import ModelSource
+from octavo.frontend.token_guards import MIN_NUM_TOKENS, check_token_dimension
 from octavo.ir.graph_inputs import TOKEN_INPUTS
 
 logger = logging.getLogger(__name__)
@@ -69,16 +70,19 @@ def trace_module(module: torch.nn.Module) -> TracedModel:
     wrapper = _FlatTokenCausalLM(module).eval()
     vocab_size = module.config.vocab_size
     example = (torch.randint(0, vocab_size, (EXAMPLE_NUM_TOKENS,)), torch.arange(EXAMPLE_NUM_TOKENS))
-    num_tokens = Dim("T", min=2)
+    # A DYNAMIC dimension, not a named strict Dim: a strict Dim fails export on any guard that torch cannot
+    # prove for every T, and some releases (2.11) cannot prove true ones such as min(16*T, 32*T) == 16*T.
+    # The guards are checked below instead, so that a program specialized to some token counts is still refused.
+    num_tokens = Dim.DYNAMIC(min=MIN_NUM_TOKENS)
     try:
         with torch.no_grad():
             program = torch.export.export(
                 wrapper, example, dynamic_shapes={name: {0: num_tokens} for name in TOKEN_INPUTS}, strict=False)
-            program = program.run_decompositions({})
     except Exception as error:
         raise OctavoError(f"torch.export failed for model_type {module.config.model_type!r}: "
                           f"{str(error).splitlines()[0]}") from error
-    return _rename_inputs(program)
+    check_token_dimension(program, module.config.model_type)
+    return _rename_inputs(program.run_decompositions({}))
 
 
 def _rename_inputs(program: torch.export.ExportedProgram) -> TracedModel:

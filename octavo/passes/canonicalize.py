@@ -21,19 +21,20 @@ _ASSERT_OPS = {
 _IDENTITY_OPS = {aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default}
 
 
-@register_pass("canonicalize", "remove asserts, no-op casts, aliases and dead code")
+@register_pass("canonicalize", "remove asserts, no-op casts, expands and slices, aliases and dead code")
 def canonicalize(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     """Semantics-preserving cleanup.
 
     Removes runtime assertions (aten._assert_*, sym_constrain_range*),
     replaces by their input: aliases/detach, `_to_copy` casts that change
-    nothing (same dtype, no device or memory-format change) and slices that
-    keep a whole dimension (start 0, end >= size, step 1); then removes dead
-    nodes and weight inputs nothing reads. Stats: asserts, noop_casts,
-    aliases, noop_slices, dead_nodes, unused_weights.
+    nothing (same dtype, no device or memory-format change), expands whose
+    result has their input's shape, and slices that keep a whole dimension
+    (start 0, end >= size, step 1); then removes dead nodes and weight inputs
+    nothing reads. Stats: asserts, noop_casts, aliases, noop_expands,
+    noop_slices, dead_nodes, unused_weights.
     """
     graph = graph_module.graph
-    counts = {"asserts": 0, "noop_casts": 0, "aliases": 0, "noop_slices": 0}
+    counts = {"asserts": 0, "noop_casts": 0, "aliases": 0, "noop_expands": 0, "noop_slices": 0}
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -48,6 +49,10 @@ def canonicalize(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             counts["noop_casts"] += 1
+        elif node.target is aten.expand.default and _is_noop_expand(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            counts["noop_expands"] += 1
         elif is_full_slice(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -74,6 +79,15 @@ def _is_noop_cast(node: Node) -> bool:
         return False
     before, after = source.meta["val"], node.meta["val"]
     return before.dtype == after.dtype and before.device == after.device and before.layout == after.layout
+
+
+def _is_noop_expand(node: Node) -> bool:
+    """An expand whose result has its input's shape (HF's rotary expands [1, D, 1] to batch 1, say)."""
+    source = node.args[0]
+    if not isinstance(source, Node) or "val" not in source.meta or "val" not in node.meta:
+        return False
+    before, after = source.meta["val"].shape, node.meta["val"].shape
+    return len(before) == len(after) and all(statically_known_true(a == b) for a, b in zip(before, after, strict=True))
 
 
 def is_full_slice(node: Node) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -59,7 +60,8 @@ def propagate_all(graph_module: GraphModule, fake_mode) -> None:
     """Re-annotate every node by running the whole graph on the placeholders' fake values."""
     inputs = [node.meta["val"] for node in graph_module.graph.nodes if node.op == "placeholder"]
     try:
-        FakeTensorProp(graph_module, fake_mode).propagate_dont_convert_inputs(*inputs)
+        with enable_python_dispatcher():
+            FakeTensorProp(graph_module, fake_mode).propagate_dont_convert_inputs(*inputs)
     except Exception as error:
         raise PassError(f"shape propagation failed: {type(error).__name__}: {error}") from error
     for node in graph_module.graph.nodes:
@@ -131,10 +133,13 @@ def _record(node: Node) -> tuple:
 
 
 def _run_node(node: Node, fake_mode) -> Any:
+    # Under the Python dispatcher composite ops (aten.matmul) decompose with symbolic sizes, as they did
+    # when torch.export traced them; some releases' C++ implementations (2.11's matmul) read concrete
+    # sizes instead, which would specialize the token count to the example's.
     args = map_arg(node.args, lambda source: source.meta["val"])
     kwargs = map_arg(node.kwargs, lambda source: source.meta["val"])
     try:
-        with fake_mode:
+        with fake_mode, enable_python_dispatcher():
             return node.target(*args, **kwargs)
     except Exception as error:
         raise PassError(f"shape propagation failed at node {node.name} ({node.format_node()}): "

@@ -183,8 +183,11 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     # Recording a Python stack trace for every traced node is a third of the tracing time, for error
     # messages only: the graph's nodes come from the artifact, not from Python source worth pointing at.
-    previous = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    # (older torch releases, 2.11 among them, have no such switch and always record them.)
+    has_switch = hasattr(torch.fx.config, "do_not_emit_stack_traces")
+    previous = torch.fx.config.do_not_emit_stack_traces if has_switch else None
+    if has_switch:
+        torch.fx.config.do_not_emit_stack_traces = True
     probe = probe_vector_isa_in_background()
     try:
         program = export_graph(eager, signature)
@@ -220,7 +223,8 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
     except Exception as error:  # Inductor fails in many ways (compiler errors, unsupported ops)
         raise CompilationUnavailableError(f"compiling the graph failed: {type(error).__name__}: {error}") from error
     finally:
-        torch.fx.config.do_not_emit_stack_traces = previous
+        if has_switch:
+            torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def probe_vector_isa_in_background() -> threading.Thread:

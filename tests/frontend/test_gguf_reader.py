@@ -52,7 +52,7 @@ def test_a_gguf_source_is_parsed_once_and_loads_what_transformers_loads(smollm2_
     options = {"gguf_file": smollm2_path.name, "local_files_only": True}
     reference_config = AutoConfig.from_pretrained(smollm2_path.parent, **options)
     reference_tokenizer = AutoTokenizer.from_pretrained(smollm2_path.parent, **options)
-    assert len(parses) == 3  # transformers' own loaders each parsed the file again
+    assert len(parses) > 1  # transformers' own loaders parsed the file again (how often depends on its release)
     assert source.config.to_dict() == reference_config.to_dict()
     assert source.tokenizer.backend_tokenizer.to_str() == reference_tokenizer.backend_tokenizer.to_str()
     assert source.tokenizer.init_kwargs == reference_tokenizer.init_kwargs

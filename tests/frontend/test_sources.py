@@ -148,6 +148,15 @@ def test_bundled_model_resolves_to_the_installed_gguf(smollm2_source):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
+def test_bundled_tokenizer_has_the_gguf_files_special_tokens(smollm2_source):
+    """bos and eos are the ids the GGUF file records, whatever transformers' GGUF converter made of them."""
+    reader = gguf.GGUFReader(smollm2_source.path)
+    recorded = {role: int(reader.fields[f"tokenizer.ggml.{role}_token_id"].contents()) for role in ("bos", "eos")}
+    tokenizer = smollm2_source.tokenizer
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (recorded["bos"], recorded["eos"]) == (1, 2)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
 def test_hf_directory_loads_with_a_stable_checksum(tiny_model_dir, tmp_path):
     directory = tiny_model_dir("qwen2")
     first, second = load_model(directory), load_model(str(directory))

@@ -8,6 +8,7 @@ import onnx
 import torch
 
 import octavo.ir.ops  # noqa: F401  (registers octavo::paged_attention)
+from octavo.frontend.trace import trace_module
 from octavo.ir.onnx_io import export_graph_to_onnx, import_graph_from_onnx
 
 aten = torch.ops.aten
@@ -68,23 +69,7 @@ def trace_hf(model_class, config_class, **extra):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = model_class(config).eval()
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.m = inner
-
-        def forward(self, input_ids, positions):
-            return self.m(
-                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
-            ).logits[0]
-
-    length = torch.export.Dim("T", min=2)
-    program = torch.export.export(
-        Wrapper(model), (torch.randint(0, 128, (7,)), torch.arange(7)),
-        dynamic_shapes={"input_ids": {0: length}, "positions": {0: length}}, strict=False,
-    )
-    return program.run_decompositions({})
+    return trace_module(model).program
 
 
 def program_inputs(program, input_ids, positions) -> list[torch.Tensor]:

@@ -96,7 +96,7 @@ def test_traced_model_is_a_normal_onnx_model_with_standard_ops_where_exact(llama
     sym_size = next(n for n in gm.graph.nodes if n.target is aten.sym_size.int)
     assert types[sym_size.name].elem_type == onnx.TensorProto.INT64
     assert len(types[sym_size.name].shape.dim) == 0
-    weight = next(v for v in model.graph.input if v.name == "p_m_lm_head_weight")
+    weight = next(v for v in model.graph.input if v.name == "p_model_lm_head_weight")
     assert weight.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert [d.dim_value for d in weight.type.tensor_type.shape.dim] == [128, 64]
 

@@ -16,11 +16,12 @@ from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import count_ops
 from octavo.passes.canonicalize import canonicalize
 from octavo.passes.context import PassContext
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import COMMON, make_tiny_model
 
 aten = torch.ops.aten
 INT64_MAX = 2**63 - 1
 NUM_TOKENS = 9
+NUM_LAYERS = COMMON["num_hidden_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,8 @@ def spliced(traced, model):
     noops.append(splice(graph_module, fake_mode, noops[-1], aten._to_copy.default, dtype=torch.float32))
     noops.append(splice(graph_module, fake_mode, noops[-1], aten.slice.Tensor, 2, 0, 1000))  # end > size 64
     noops.append(splice(graph_module, fake_mode, noops[-1], aten.slice.Tensor, 1, 0, seq_dim))  # end = T
+    noop_expand = splice(graph_module, fake_mode, noops[-1], aten.expand.default, [-1] * hidden.meta["val"].dim())
+    noops.append(noop_expand)
     widen = splice(graph_module, fake_mode, noops[-1], aten._to_copy.default, dtype=torch.float64)
     narrow = splice(graph_module, fake_mode, widen, aten._to_copy.default, dtype=torch.float32)
     noops.append(splice(graph_module, fake_mode, narrow, aten.slice.Tensor, 2, 0, 64, 1))  # end = size 64
@@ -116,7 +119,7 @@ def spliced(traced, model):
     after.recompile()
     return {"before": before, "after": after, "ctx": ctx, "weights_before": weights_before,
             "noops": [node.name for node in noops], "kept": [widen.name, narrow.name],
-            "dead": [dead.name, dead_too.name]}
+            "dead": [dead.name, dead_too.name], "noop_expand": noop_expand.name}
 
 
 def test_spliced_no_ops_are_removed(spliced):
@@ -128,16 +131,26 @@ def test_spliced_no_ops_are_removed(spliced):
 
 def test_full_slices_are_removed_partial_ones_kept(spliced, traced):
     traced_full = full_slices(traced.graph_module)
-    assert len(traced_full) == 7  # the causal mask's and repeat_kv's [:, :, None] indexing
+    # The causal mask's and repeat_kv's [:, :, None] indexing (and, in some transformers releases, the rotary
+    # table's [None, :, None]): at least the k and v of every layer.
+    assert len(traced_full) >= 2 * NUM_LAYERS
     assert full_slices(spliced["after"]) == []
     assert spliced["ctx"].stats["noop_slices"] == len(traced_full) + 4  # and the four spliced ones
     # Real slices stay: rotate_half's x[..., :8] and x[..., 8:] of q and k in both layers, and the
     # mask's positions[:, :1].
     partial = [node.name for node in traced.graph_module.graph.nodes
                if node.target is aten.slice.Tensor and node.name not in traced_full]
-    assert len(partial) == 9
+    assert len(partial) == 4 * NUM_LAYERS + 1
     assert set(partial) <= names(spliced["after"])
     assert count_ops(spliced["after"], "aten.slice") == len(partial)
+
+
+def test_noop_expands_are_removed_broadcasts_kept(spliced, traced):
+    before, after = spliced["before"], spliced["after"]
+    assert spliced["noop_expand"] in names(before) and spliced["noop_expand"] not in names(after)
+    # repeat_kv's expand of k and v in every layer broadcasts a new dimension: kept.
+    assert count_ops(after, "aten.expand") == 2 * NUM_LAYERS
+    assert spliced["ctx"].stats["noop_expands"] == count_ops(before, "aten.expand") - 2 * NUM_LAYERS >= 1
 
 
 def test_real_casts_are_kept(spliced):

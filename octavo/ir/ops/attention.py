@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from octavo.ir.ops.mutating_op import mutating_op
 
-@torch.library.custom_op("octavo::paged_attention",
-                         mutates_args=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"))
+
+@mutating_op("octavo::paged_attention",
+             mutates_args=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"))
 def paged_attention(
     query: Tensor,
     key: Tensor,
