@@ -1,109 +1,136 @@
-"""Time every Triton kernel against its torch-backend counterpart on CUDA, at SmolLM2-135M's sizes.
+"""GPU check step: every Triton kernel against its torch-backend counterpart, read against the device's ceilings.
 
-Run by scripts/gpu_check.sh: ``python tests/codegen/triton/kernel_timings.py``
-(a CUDA device is required; TRITON_INTERPRET must be unset). Prints a table
-of median times (triton.testing.do_bench) and the speedup over torch.
+Medians of triton.testing.do_bench, bf16, at SmolLM2-135M's sizes (hidden 576, 9/3 heads of 64,
+intermediate 1536) and, for decode attention, the Llama-3.1-8B shape's heads (32/8 of 128) at 4096
+tokens of context. Each kernel's figure is its time; its ratio is the share of the copy bandwidth
+(measured in this process) that the bytes it must move reach, and for prefill attention its time over
+torch's SDPA (flash) on the same tokens, unpaged. Dry run: tiny shapes in the interpreter, timed by the
+wall clock (the figures mean nothing there; the code runs).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
+from gpu_records import CUDA, DEVICE, ceilings, checking, figure, main_guard
 
-# SmolLM2-135M: hidden 576, 9 query heads, 3 kv heads, head dim 64, intermediate 1536.
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE = 576, 9, 3, 64, 1536, 16
-DTYPE = torch.bfloat16
+from octavo.bench.roofline import median_seconds
+
+DTYPE, BLOCK_SIZE = torch.bfloat16, 16
+SMOL = dict(heads=9, kv_heads=3, head_dim=64)
+BIG = dict(heads=32, kv_heads=8, head_dim=128)
+TOKENS = 512 if CUDA else 16
+HIDDEN, INTERMEDIATE = 576, 1536
+DECODE = [("64 seqs x 1024 ctx (SmolLM2 heads)", 64, 1024, SMOL), ("64 seqs x 4096 ctx (8B heads)", 64, 4096, BIG)] \
+    if CUDA else [("4 seqs x 64 ctx", 4, 64, SMOL)]
+PREFILL = (4, 512) if CUDA else (2, 32)
 
 
-def paged_inputs(query_lens: list[int], seq_lens: list[int], device: torch.device) -> tuple:
-    num_blocks = sum(-(-length // BLOCK_SIZE) for length in seq_lens) + 1
-    max_blocks = max(-(-length // BLOCK_SIZE) for length in seq_lens)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    start = 0
-    for row, length in enumerate(seq_lens):
-        count = -(-length // BLOCK_SIZE)
-        block_tables[row, :count] = torch.arange(start, start + count, dtype=torch.int32)
-        start += count
+def timed(run) -> float:
+    if CUDA:
+        import triton.testing
+
+        return triton.testing.do_bench(run, return_mode="median") / 1000
+    return median_seconds(run, DEVICE, repeats=3, warmup=1)
+
+
+def paged_inputs(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, head_dim: int) -> tuple:
+    """paged_attention's arguments: sequences in consecutive blocks, the new tokens at their slots."""
+    block_counts = [-(-length // BLOCK_SIZE) for length in seq_lens]
+    tables = torch.zeros(len(seq_lens), max(block_counts), dtype=torch.int32)
+    first = 0
+    for row, count in enumerate(block_counts):
+        tables[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+        first += count
     slots = []
     for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         positions = torch.arange(seq_len - query_len, seq_len)
-        slots.append(block_tables[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
-    num_tokens = sum(query_lens)
-    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-    cache_shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    return (torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device),
-            torch.randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device),
-            torch.randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device),
-            torch.randn(cache_shape, dtype=DTYPE, device=device), torch.randn(cache_shape, dtype=DTYPE, device=device),
-            torch.cat(slots).to(device), block_tables.to(device),
-            torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc.to(device), HEAD_DIM ** -0.5)
+        slots.append(tables[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor(query_lens).cumsum(0)
+    tokens, cache_shape = sum(query_lens), (first + 1, BLOCK_SIZE, kv_heads, head_dim)
+
+    def random(*shape):
+        return torch.randn(*shape, dtype=DTYPE, device=DEVICE)
+
+    return (random(tokens, heads, head_dim), random(tokens, kv_heads, head_dim), random(tokens, kv_heads, head_dim),
+            random(*cache_shape), random(*cache_shape), torch.cat(slots).to(DEVICE), tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), starts.to(DEVICE), head_dim ** -0.5)
 
 
-def cases(device: torch.device) -> list[tuple[str, str, object, object, tuple]]:
-    """(kernel, shape, triton launcher, torch kernel, arguments)."""
+def pointwise_cases() -> list[tuple]:
+    """(kernel, shape, triton launcher, torch kernel, arguments, bytes moved)."""
     from octavo.codegen import torch_backend
-    from octavo.codegen.triton_backend import activation, fused_pointwise, kv_cache_write, norm, paged_attention, rotary
-    from octavo.ir.ops.fused_pointwise import Reference, encode_program, evaluate_program
+    from octavo.codegen.triton_backend import activation, kv_cache_write, norm, rotary
 
-    tokens = 512
-    x = torch.randn(1, tokens, HIDDEN, dtype=DTYPE, device=device)
-    residual = torch.randn_like(x)
-    weight = torch.randn(HIDDEN, dtype=DTYPE, device=device)
-    query = torch.randn(1, tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device).transpose(1, 2)
-    key = torch.randn(1, tokens, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device).transpose(1, 2)
-    cos_sin = torch.randn(8192, 2, HEAD_DIM, dtype=DTYPE, device=device)
-    positions = torch.arange(tokens, device=device)
-    gate_up = torch.randn(1, tokens, 2 * INTERMEDIATE, dtype=DTYPE, device=device)
-    write_args = paged_inputs([tokens], [tokens], device)
-    decode = paged_inputs([1] * 64, [1024] * 64, device)
-    prefill = paged_inputs([512] * 4, [512] * 4, device)
-    program = encode_program([
-        {"op": "aten._to_copy.default", "args": [Reference("input", 0)], "kwargs": {"dtype": torch.float32}},
-        {"op": "aten.pow.Tensor_Scalar", "args": [Reference("step", 0), 2]},
-        {"op": "aten.mean.dim", "args": [Reference("step", 1), [-1], True]},
-        {"op": "aten.add.Tensor", "args": [Reference("step", 2), 1e-5]},
-        {"op": "aten.rsqrt.default", "args": [Reference("step", 3)]},
-        {"op": "aten.mul.Tensor", "args": [Reference("step", 0), Reference("step", 4)]},
-        {"op": "aten._to_copy.default", "args": [Reference("step", 5)], "kwargs": {"dtype": DTYPE}},
-        {"op": "aten.mul.Tensor", "args": [Reference("input", 1), Reference("step", 6)]},
-    ])
-    write_torch = torch_backend.attention.write_kv_cache
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=DTYPE, device=DEVICE)
+    residual, weight = torch.randn_like(x), torch.randn(HIDDEN, dtype=DTYPE, device=DEVICE)
+    query = torch.randn(1, TOKENS, SMOL["heads"], 64, dtype=DTYPE, device=DEVICE).transpose(1, 2)
+    key = torch.randn(1, TOKENS, SMOL["kv_heads"], 64, dtype=DTYPE, device=DEVICE).transpose(1, 2)
+    cos_sin = torch.randn(8192, 2, 64, dtype=DTYPE, device=DEVICE)
+    gate_up = torch.randn(1, TOKENS, 2 * INTERMEDIATE, dtype=DTYPE, device=DEVICE)
+    write = paged_inputs([TOKENS], [TOKENS], **SMOL)[1:6]
+    size = x.numel() * 2
     return [
-        ("rms_norm", f"[{tokens}, {HIDDEN}]", norm.rms_norm, torch_backend.rms_norm, (x, weight, 1e-5)),
-        ("fused_add_rms_norm", f"[{tokens}, {HIDDEN}]", norm.fused_add_rms_norm, torch_backend.fused_add_rms_norm,
-         (x, residual, weight, 1e-5)),
-        ("rotary_embedding", f"q [{HEADS}, {tokens}, {HEAD_DIM}]", rotary.rotary_embedding,
-         torch_backend.rotary_embedding, (query, key, positions, cos_sin)),
-        ("silu_and_mul", f"[{tokens}, {2 * INTERMEDIATE}]", activation.silu_and_mul, torch_backend.silu_and_mul,
-         (gate_up,)),
-        ("kv_cache_write", f"{tokens} tokens", kv_cache_write.write_kv_cache, write_torch, write_args[1:6]),
-        ("paged_attention decode", "64 seqs x 1024 ctx", paged_attention.paged_attention,
-         torch_backend.paged_attention, decode),
-        ("paged_attention prefill", "4 seqs x 512", paged_attention.paged_attention, torch_backend.paged_attention,
-         prefill),
-        ("fused_pointwise (rms)", f"[{tokens}, {HIDDEN}]", fused_pointwise.fused_pointwise, evaluate_program,
-         ([x, weight], program)),
+        ("rms_norm", f"[{TOKENS}, {HIDDEN}]", norm.rms_norm, torch_backend.rms_norm, (x, weight, 1e-5), 2 * size),
+        ("fused_add_rms_norm", f"[{TOKENS}, {HIDDEN}]", norm.fused_add_rms_norm, torch_backend.fused_add_rms_norm,
+         (x, residual, weight, 1e-5), 4 * size),
+        ("rotary_embedding", f"q [{SMOL['heads']}, {TOKENS}, 64]", rotary.rotary_embedding,
+         torch_backend.rotary_embedding, (query, key, torch.arange(TOKENS, device=DEVICE), cos_sin),
+         2 * 2 * (query.numel() + key.numel())),
+        ("silu_and_mul", f"[{TOKENS}, {2 * INTERMEDIATE}]", activation.silu_and_mul, torch_backend.silu_and_mul,
+         (gate_up,), 2 * gate_up.numel() * 3 // 2),
+        ("kv_cache_write", f"{TOKENS} tokens", kv_cache_write.write_kv_cache, torch_backend.attention.write_kv_cache,
+         write, 2 * 2 * 2 * write[0].numel()),
     ]
 
 
-def main() -> int:
-    import triton.testing
+def time_pointwise(bandwidth: float) -> None:
+    for name, shape, triton_kernel, torch_kernel, arguments, num_bytes in pointwise_cases():
+        with checking(f"kernel {name}"):
+            ours = timed(lambda kernel=triton_kernel, args=arguments: kernel(*args))
+            theirs = timed(lambda kernel=torch_kernel, args=arguments: kernel(*args))
+            figure(f"kernel {name} {shape}", ours * 1e6, "us", ratio=num_bytes / ours / bandwidth,
+                   ratio_of="bytes moved / time / copy bandwidth", detail=f"torch backend {theirs * 1e6:.1f} us "
+                   f"({theirs / ours:.2f}x); {num_bytes / 1e6:.2f} MB")
 
-    if not torch.cuda.is_available():
-        print("kernel_timings: no CUDA device")
-        return 2
-    device = torch.device("cuda")
+
+def time_attention(bandwidth: float) -> None:
+    from octavo.codegen.triton_backend.paged_attention import paged_attention
+
+    for label, seqs, context, heads in DECODE:
+        with checking(f"kernel paged_attention decode {label}"):
+            arguments = paged_inputs([1] * seqs, [context] * seqs, **heads)
+            kv_bytes = seqs * context * heads["kv_heads"] * heads["head_dim"] * 2 * 2
+            ours = timed(lambda args=arguments: paged_attention(*args))
+            figure(f"kernel paged_attention decode {label}", ours * 1e6, "us", ratio=kv_bytes / ours / bandwidth,
+                   ratio_of="K/V bytes read / time / copy bandwidth", target=">= 0.6",
+                   detail=f"{kv_bytes / 1e6:.0f} MB of K/V")
+    seqs, length = PREFILL
+    with checking("kernel paged_attention prefill"):
+        arguments = paged_inputs([length] * seqs, [length] * seqs, **SMOL)
+        ours = timed(lambda: paged_attention(*arguments))
+        query, key, value = arguments[0], arguments[1], arguments[2]
+        group = SMOL["heads"] // SMOL["kv_heads"]
+
+        def batched(tensor):  # [seqs * length, H, D] -> [seqs, Hq, length, D], GQA heads repeated
+            return tensor.view(seqs, length, -1, tensor.shape[-1]).transpose(1, 2).repeat_interleave(
+                group if tensor.shape[1] != SMOL["heads"] else 1, dim=1).contiguous()
+
+        q, k, v = batched(query), batched(key), batched(value)
+        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        figure(f"kernel paged_attention prefill {seqs} seqs x {length}", ours * 1e6, "us", ratio=ours / sdpa,
+               ratio_of="time / torch SDPA on the same tokens, unpaged (causal)", target="<= 1.5",
+               detail=f"SDPA {sdpa * 1e6:.1f} us")
+
+
+def main() -> None:
     torch.manual_seed(0)
-    print(f"{'kernel':<26}{'shape':<22}{'triton us':>11}{'torch us':>11}{'speedup':>9}   ({DTYPE}, "
-          f"{torch.cuda.get_device_name()})")
-    for name, shape, triton_kernel, torch_kernel, arguments in cases(device):
-        triton_ms = triton.testing.do_bench(lambda kernel=triton_kernel, args=arguments: kernel(*args))
-        torch_ms = triton.testing.do_bench(lambda kernel=torch_kernel, args=arguments: kernel(*args))
-        print(f"{name:<26}{shape:<22}{1000 * triton_ms:>11.1f}{1000 * torch_ms:>11.1f}{torch_ms / triton_ms:>8.2f}x")
-    return 0
+    bandwidth, flops = ceilings()
+    figure("copy bandwidth (kernel timings process)", bandwidth / 1e12, "TB/s")
+    figure("bf16 matmul rate (kernel timings process)", flops / 1e12, "TFLOP/s")
+    time_attention(bandwidth)
+    time_pointwise(bandwidth)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_guard(main)

@@ -114,7 +114,8 @@ def write_random_model(shape: str | dict, directory: str | Path, *, dtype: torch
     directory.mkdir(parents=True, exist_ok=True)
     config = random_config(shape, **overrides)
     model = build_random_model(config, dtype, device, seed)
-    model.save_pretrained(directory)
+    # Shards of 4 GB: serializing one shard holds its bytes in host memory.
+    model.save_pretrained(directory, max_shard_size="4GB")
     del model
     write_tokenizer(directory, config.vocab_size)
     return directory
