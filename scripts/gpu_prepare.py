@@ -40,6 +40,8 @@ def prepare(shape: str) -> None:
         shutil.rmtree(model_dir(shape), ignore_errors=True)
         write_random_model(shape, model_dir(shape), dtype=torch.bfloat16, device=DEVICE, seed=0, **overrides)
         built = time.perf_counter() - start
+        if CUDA:
+            torch.cuda.empty_cache()  # the drawn model's memory, for the engine started below
         compile_model(model_dir(shape), artifact_dir(shape), CompileConfig(dtype="bfloat16"), overwrite=True)
         compiled = time.perf_counter() - start - built
         params = parameter_count(random_config(shape, **overrides))
