@@ -124,9 +124,8 @@ def cases() -> list[Case]:
              pointwise, no_fma=True),
         Case("quantized_linear w4, bf16", quantized_linear._quantized_linear_kernel, {"LAYOUT": 1, **quantized},
              "*bf16", pointers={"qweight_ptr": "*u8", "scales_ptr": "*fp16", "offsets_ptr": "*fp16"}),
-        Case("quantized_linear w8, fp32", quantized_linear._quantized_linear_kernel,
-             {"LAYOUT": 0, **quantized, "DOT_PRECISION": "ieee", "BLOCK_M": 64}, "*fp32",
-             pointers={"qweight_ptr": "*i8"}),
+        Case("quantized_linear w8, bf16, 64-row tiles", quantized_linear._quantized_linear_kernel,
+             {"LAYOUT": 0, **quantized, "BLOCK_M": 64}, "*bf16", pointers={"qweight_ptr": "*i8"}),
     ]
 
 
