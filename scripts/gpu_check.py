@@ -48,6 +48,7 @@ class Step:
     process: subprocess.Popen | None = field(default=None, repr=False)
     started: float = 0.0
     timeout: float = 0.0
+    cut_by_budget: bool = False  # its timeout is the time the budget had left, shorter than its cap
 
 
 def script(name: str, *args: str) -> list[str]:
@@ -119,9 +120,13 @@ class Check:
                    or any(step.status.startswith("failed") for step in self.steps))
 
     def run_foreground(self, step: Step) -> None:
-        for name in step.needs + step.after:
-            if any(other.name == name for other in self.steps):
+        present = {other.name for other in self.steps}
+        for name in step.needs:
+            if name in present:
                 self.wait(self.by_name(name))
+        for name in step.after:  # worth waiting for only while this step keeps its minimum time
+            if name in present:
+                self.wait(self.by_name(name), until=self.deadline - SUMMARY_RESERVE - step.minimum)
         failed = [name for name in step.needs if self.by_name(name).status != "passed"]
         if failed:
             step.status = f"not run: {', '.join(failed)} did not pass"
@@ -138,7 +143,8 @@ class Check:
         if left < step.minimum:
             step.status = "not run: time"
             return
-        step.timeout = min(step.cap * (1 if CUDA else DRY_RUN_SLOWER), left)
+        cap = step.cap * (1 if CUDA else DRY_RUN_SLOWER)
+        step.timeout, step.cut_by_budget = min(cap, left), left < cap
         step.started = time.time()
         environment = {**self.environment, "GPU_CHECK_RECORDS": str(self.records(step)),
                        "GPU_CHECK_DEADLINE": str(step.started + step.timeout - 3)}
@@ -148,17 +154,22 @@ class Check:
         step.status = "running"
         print(f"[{time.time() - self.started:5.0f}s] {step.name}: started (timeout {step.timeout:.0f}s)", flush=True)
 
-    def wait(self, step: Step) -> None:
+    def wait(self, step: Step, until: float | None = None) -> None:
+        """Wait for a running step to end, or to time out (then stop it); with `until`, not past that time."""
         if step.process is None or step.status != "running":
             return
         # A background step may have ended long before: its log's last write is when.
         ended_before = step.process.poll() is not None
+        limit = step.started + step.timeout
         try:
-            code = step.process.wait(timeout=max(1.0, step.started + step.timeout - time.time()))
+            code = step.process.wait(timeout=max(1.0, min(limit, until or limit) - time.time()))
             step.status = "passed" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
+            if until is not None and until < limit:
+                return  # still running, within its own time
             stop(step.process)
-            step.status = f"failed: timed out after {step.timeout:.0f}s"
+            step.status = (f"not finished: the budget ended after {step.timeout:.0f}s" if step.cut_by_budget
+                           else f"failed: timed out after {step.timeout:.0f}s")
         ended = self.log(step).stat().st_mtime if ended_before else time.time()
         step.seconds = ended - step.started
         step.detail = self.step_detail(step)

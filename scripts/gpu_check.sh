@@ -18,7 +18,11 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s.%N)}"
-PY="${OCTAVO_GPU_PYTHON:-python3}"
+# The interpreter: OCTAVO_GPU_PYTHON, else the project's .venv (make setup), else python3 (GPU images ship one).
+PY="${OCTAVO_GPU_PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 
 missing="$("$PY" - <<'PY'
 import importlib.util
