@@ -33,6 +33,7 @@ from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.spec_decode.speculator import build_speculator
 from octavo.runtime.step_phases import StepPhases
+from octavo.runtime.warmup import warm_up, warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ class LLMEngine:
         self.device = resolve_device(self.config.device)
         self.backend = resolve_backend(self.config.backend, self.device)
         if self.backend == "triton":
-            from octavo.codegen.triton_backend.availability import check_triton_kv_layout
+            from octavo.codegen.triton_backend.availability import check_triton_kv_layout, use_octavo_triton_cache
 
             check_triton_kv_layout(manifest["kv_layout"])
+            use_octavo_triton_cache()
         if self.device.type == "cpu" and (slow := slow_dtype_warning(manifest["dtype"])):
             logger.warning(slow)
         self.tokenizer = self.artifact.tokenizer
@@ -103,6 +105,11 @@ class LLMEngine:
                                   -(-self.max_model_len // layout["block_size"]), self.device,
                                   pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
         self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
+        self.warmup_seconds = 0.0
+        if cuda_graphs:
+            steps = warmup_steps(self.runner.buffers.ladder, self.config.max_num_batched_tokens,
+                                 self.config.max_num_seqs, self.max_model_len, layout["block_size"])
+            self.warmup_seconds = warm_up(self.runner, steps, layout["block_size"])
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
             from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
