@@ -10,8 +10,9 @@ import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
 from octavo.bench.workloads import get_workload, workload_from_file
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import OctavoError
+from octavo.parallel import create_engine
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact
 
@@ -56,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_online(args, workload)
     if args.artifact is None:
         raise OctavoError("give an ARTIFACT directory, or --server URL to benchmark a running server")
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     config = engine_config(args)
     if args.vs == "no-speculation" and config.speculative is None:
         raise OctavoError("--vs no-speculation compares against speculative decoding: add --speculative SPEC")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     needed_blocks = workload_blocks(workload, artifact)
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
-    engine = LLMEngine(artifact, config)
+    engine = create_engine(artifact, config)
     if args.profile:
         return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
     prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
@@ -102,13 +103,13 @@ def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, 
     changes = {"no-prefix-caching": {"enable_prefix_caching": False},
                "full-pool": {"num_kv_blocks": needed_blocks, "kv_cache_memory": None},
                "no-speculation": {"speculative": None}}[variant]
-    baseline = LLMEngine(artifact, dataclasses.replace(config, **changes))
+    baseline = create_engine(artifact, dataclasses.replace(config, **changes))
     _compare(variant, baseline, workload, prompts, result, tokens)
 
 
 def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> None:
     """Run the same workload on a second artifact with the same engine options, and print the ratio."""
-    _compare(f"octavo[{path}]", LLMEngine(load_artifact(path), config), workload, prompts, result, tokens)
+    _compare(f"octavo[{path}]", create_engine(load_artifact(path), config), workload, prompts, result, tokens)
 
 
 def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import RequestError
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
@@ -55,9 +55,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     stream_reply(llm, prompt, _sampling(args))
@@ -65,6 +65,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     error_console.print("chat: type a message, an empty line or Ctrl-D to quit")

@@ -21,7 +21,7 @@ import pytest
 from octavo.config import EngineConfig
 from octavo.errors import WorkerFailedError
 from octavo.llm import LLM
-from octavo.runtime.engine import LLMEngine
+from octavo.parallel import create_engine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.serve.server_process import free_port, start_server
 
@@ -82,7 +82,7 @@ def test_a_rank_that_cannot_load_stops_the_start_with_its_error(tiny_artifact, t
                               distributed_init=init)
         with pytest.raises(WorkerFailedError, match=f"rank 1 failed: ArtifactError: no such artifact directory: "
                                                     f"{missing}"):
-            LLMEngine(tiny_artifact("llama"), config)
+            create_engine(tiny_artifact("llama"), config)
         assert node1.wait(timeout=60) == 1
     finally:
         if node1.poll() is None:
