@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,16 +71,37 @@ def open_store(rendezvous: Rendezvous, timeout_s: float) -> dist.Store:
     Returns the store under this launch's key prefix; fails in one line naming the address.
     """
     hosts = rendezvous.rank == 0 and not rendezvous.agent_store
+    if not hosts:
+        wait_for_listener(rendezvous, timeout_s)
     try:
         store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size,
                               is_master=hosts, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
     except (RuntimeError, ValueError) as error:
-        what = "could not listen for" if hosts else f"could not reach within {timeout_s:g}s"
-        hint = "" if hosts else " (is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same for every rank?)"
+        what = "could not listen for" if hosts else "could not join"
         raise OctavoError(f"rank {rendezvous.rank} {what} the rendezvous at {rendezvous.endpoint}: "
-                          f"{_first_line(error)}{hint}") from error
+                          f"{_first_line(error)}") from error
     return dist.PrefixStore(rendezvous.store_prefix, store)
+
+
+def wait_for_listener(rendezvous: Rendezvous, timeout_s: float) -> None:
+    """Wait until something listens at the rendezvous address, or fail in one line after `timeout_s`.
+
+    (c10d's own client retries print a stack trace per attempt; a plain connection probe does not.)
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((rendezvous.master_addr, rendezvous.master_port),
+                                          timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                reason = error.strerror or type(error).__name__
+                raise OctavoError(f"rank {rendezvous.rank} could not reach the rendezvous at {rendezvous.endpoint} "
+                                  f"within {timeout_s:g}s ({reason}): is rank 0 running there? MASTER_ADDR and "
+                                  "MASTER_PORT must be the same for every rank") from None
+            time.sleep(0.2)
 
 
 def init_groups(topology: Topology, rendezvous: Rendezvous, store: dist.Store, timeout_s: float,
