@@ -9,10 +9,12 @@ one 512-token prefill. For each, the step is split in two ways:
   model, bookkeeping after it, sampling, detokenization (with stop checks),
   output collection;
 - the model phase by what ran inside it, from one step under torch.profiler:
-  linears (GEMMs), attention (the paged-attention op with the KV write), other
-  kernels (norms, RoPE, activations, fused pointwise groups, embedding, views),
-  and graph dispatch: the model's time outside any op, which is the Python (or
-  compiled wrapper) code that calls the ops. The profiler adds a few
+  linears (GEMMs), attention (the paged-attention op with the KV write),
+  collectives (a parallel engine's all-reduces and all-gathers on rank 0,
+  waits for the slowest rank included), other kernels (norms, RoPE,
+  activations, fused pointwise groups, embedding, views), and graph dispatch:
+  the model's time outside any op, which is the Python (or compiled wrapper)
+  code that calls the ops. The profiler adds a few
   microseconds per op, so these figures are read as shares, not absolutes.
 """
 
@@ -30,7 +32,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.step_phases import PHASE_LABEL_PREFIX
 
 PHASES = ("schedule", "inputs", "model", "bookkeeping", "sample", "detokenize", "outputs")
-MODEL_PARTS = ("linears", "attention", "other kernels", "graph dispatch")
+MODEL_PARTS = ("linears", "attention", "collectives", "other kernels", "graph dispatch")
 CONTEXT_RANGE = (64, 640)
 PREFILL_TOKENS = 512
 MEASURED_STEPS = 5
@@ -171,6 +173,8 @@ def _kind(name: str) -> str:
     lowered = name.lower()
     if "paged_attention" in lowered:
         return "attention"
+    if lowered.startswith("octavo_rank::"):
+        return "collectives"
     if _LINEAR_WORDS & set(re.split(r"[^a-z0-9]+", lowered)) or "linear" in lowered:
         return "linears"
     return "other kernels"

@@ -41,8 +41,7 @@ def bound_group(name: str) -> dist.ProcessGroup:
 def all_reduce(x: Tensor, group: str) -> Tensor:
     """octavo::all_reduce on the process group bound to `group`: the sum of every rank's `x` (a new tensor)."""
     result = x.contiguous().clone()
-    with torch.profiler.record_function("octavo collective"):
-        dist.all_reduce(result, group=bound_group(group))
+    dist.all_reduce(result, group=bound_group(group))
     return result
 
 
@@ -60,8 +59,7 @@ def all_gather(x: Tensor, group: str, world_size: int, dim: int) -> Tensor:
                           f"{dist.get_world_size(process_group)}")
     source = x.contiguous()
     parts = [torch.empty_like(source) for _ in range(world_size)]
-    with torch.profiler.record_function("octavo collective"):
-        dist.all_gather(parts, source, group=process_group)
+    dist.all_gather(parts, source, group=process_group)
     return torch.cat(parts, dim=dim)
 
 

@@ -223,5 +223,10 @@ class DistributedExecutor:
     def __init__(self, runtime: ParallelRuntime):
         self.runtime = runtime
 
+    @property
+    def kind(self) -> str:
+        """The kind of executor every rank runs ("compiled" or "eager"; the ranks choose alike)."""
+        return self.runtime.state.executor.kind
+
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.runtime.collect(self.runtime.submit(inputs))

@@ -72,7 +72,10 @@ def test_three_torchrun_ranks_generate_the_single_process_greedy_tokens(smollm2_
     assert json.loads(printed[0].removeprefix("tokens: ")) == expected
 
 
-def test_torchrun_serve_answers_like_one_process_and_a_killed_rank_ends_every_process(tiny_artifact, tmp_path):
+def test_torchrun_serve_answers_like_one_process_and_a_killed_rank_ends_every_process(tiny_artifact, tmp_path,
+                                                                                    compiled_cache):
+    """The ranks run the default (compiled) executor; the packages of tests/.../test_compiled_ranks.py are reused
+    from the session's cache (same artifact, positions, world size and thread count)."""
     artifact = tiny_artifact("llama")
     single = LLM(artifact, num_kv_blocks=64, num_threads=1)
     expected = single.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -81,7 +84,8 @@ def test_torchrun_serve_answers_like_one_process_and_a_killed_rank_ends_every_pr
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(torchrun(2, "-m", "octavo.cli", "serve", str(artifact), "--port", str(port),
                                              "--served-model-name", "m", "-tp", "2", "--num-kv-blocks", "64",
-                                             "--grace-period", "5"), stdout=log, stderr=subprocess.STDOUT)
+                                             "--executor", "compiled", "--threads", "1", "--grace-period", "5"),
+                                    stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_health(url, launcher, log_path)
