@@ -17,7 +17,7 @@ from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 
 logger = logging.getLogger(__name__)
 
-_CACHE_ROLES = ("key_cache", "value_cache")
+_CACHE_ROLES = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
 
 
 def step_input_names(manifest: dict) -> list[str]:
