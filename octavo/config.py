@@ -15,7 +15,7 @@ DEFAULT_BLOCK_SIZE = 16
 QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 VOCAB_QUANT = ("int8", "w4", "none")
-DISTRIBUTED_EXECUTORS = ("auto", "mp")
+DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")
 
 
 @dataclass
@@ -197,7 +197,8 @@ class EngineConfig:
     `distributed_executor` says who starts them: "mp" (Octavo starts the
     ranks of this machine as processes; with `nnodes` > 1 every machine runs
     the same command with its `node_rank`, and all meet at `distributed_init`,
-    tcp://HOST:PORT of node 0), or "auto":
+    tcp://HOST:PORT of node 0), "ray" (an actor per rank on a Ray cluster),
+    or "auto":
     the launcher that started this process (torchrun, srun: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT or SLURM's variables) when there is one, else
     "mp". `collective_timeout` bounds every wait within a step (seconds),
@@ -277,6 +278,9 @@ class EngineConfig:
         if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
             raise OctavoError(f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, "
                               f"got {self.distributed_executor!r}")
+        if self.distributed_executor == "ray" and (self.nnodes > 1 or self.distributed_init):
+            raise OctavoError("distributed_executor ray places the ranks itself: nnodes, node_rank and "
+                              "distributed_init belong to the mp executor")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -41,9 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                           help="shard each layer over N ranks (attention heads, MLP columns, vocabulary)")
     parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="P",
                           help="split the layers into P pipeline stages")
-    parallel.add_argument("--distributed-executor", choices=["auto", "mp"], default=None,
-                          help="who starts the ranks: mp (this machine's ranks as processes), auto (default): the "
-                          "launcher that started this process (torchrun, srun) when there is one, else mp")
+    parallel.add_argument("--distributed-executor", choices=["auto", "mp", "ray"], default=None,
+                          help="who starts the ranks: mp (this machine's ranks as processes), ray (an actor per "
+                          "rank on a Ray cluster: pip install 'octavo[ray]'), auto (default): the launcher that "
+                          "started this process (torchrun, srun) when there is one, else mp")
     parallel.add_argument("--distributed-init", default=None, metavar="tcp://HOST:PORT",
                           help="mp over several machines: the rendezvous (node 0 listens there)")
     parallel.add_argument("--nnodes", type=int, default=None, help="mp: machines the ranks are spread over")

@@ -1,4 +1,4 @@
-"""Who starts the ranks of a parallel engine: an external launcher, or Octavo's own (mp).
+"""Who starts the ranks of a parallel engine: an external launcher, Octavo's own (mp), or Ray.
 
 - External (torchrun, srun, or any launcher that sets RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT): every rank runs the same command. Rank 0 builds
@@ -8,6 +8,7 @@
 - mp: rank 0 starts the worker ranks of its node as processes
   (``python -m octavo.parallel.worker``); with several nodes, every other
   node runs the same command with its --node-rank and starts its own ranks.
+- ray: rank 0 places one actor per other rank on a Ray cluster (see ray_workers).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ WORKER_MODULE = "octavo.parallel.worker"
 
 
 def distributed_executor(config: EngineConfig) -> str:
-    """"external" or "mp": who starts the ranks of `config`'s engine in this process."""
+    """"external", "mp" or "ray": who starts the ranks of `config`'s engine in this process."""
     rendezvous = launched_rendezvous()
     if rendezvous is not None:
         if config.distributed_executor != "auto":
@@ -61,6 +62,10 @@ def rank_launch(config: EngineConfig) -> RankLaunch | None:
         if rendezvous.rank != 0:
             raise OctavoError(f"rank {rendezvous.rank} runs no engine: it follows rank 0 (octavo.parallel.follow)")
         return RankLaunch(rendezvous, program_of, lambda start: NoWorkers())
+    if executor == "ray":
+        from octavo.parallel.ray_workers import ray_launch
+
+        return ray_launch(config)
     rendezvous = own_rendezvous(config, rank=0)
     return RankLaunch(rendezvous, program_of, lambda start: _start_local_workers(config, rendezvous, start))
 
