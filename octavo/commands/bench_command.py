@@ -72,15 +72,19 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
     engine = create_engine(artifact, config)
-    if args.profile:
-        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
-    prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
-    console.print(f"workload {workload.name}: {workload.description} "
-                  f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
-                  f"backend {engine.backend}, "
-                  f"KV pool {engine.block_manager.num_blocks} blocks = "
-                  f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
-    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    try:
+        if args.profile:
+            return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
+        prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
+        console.print(f"workload {workload.name}: {workload.description} "
+                      f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
+                      f"backend {engine.backend}, "
+                      f"KV pool {engine.block_manager.num_blocks} blocks = "
+                      f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload "
+                      "needs)")
+        octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    finally:
+        engine.shutdown()  # before any baseline engine: a process runs one parallel engine at a time
     console.print(octavo_result.line(), markup=False)
     if args.vs in ("no-prefix-caching", "full-pool", "no-speculation"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
@@ -113,7 +117,10 @@ def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> N
 
 
 def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:
-    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+    try:
+        baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+    finally:
+        baseline.shutdown()
     baseline_result.engine = name
     console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))

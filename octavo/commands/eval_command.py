@@ -34,10 +34,13 @@ def run(args: argparse.Namespace) -> int:
         return follower_exit
     text = read_text(args.perplexity)
     engine = create_engine(args)
-    token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
-    windows = plan_windows(len(token_ids), args.window, args.stride)
-    with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
-        result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    try:
+        token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
+        windows = plan_windows(len(token_ids), args.window, args.stride)
+        with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
+            result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     record = {**result.as_dict(), "text": args.perplexity, "text_sha256": text_digest(text),
               "artifact": args.artifact}
     if args.json:

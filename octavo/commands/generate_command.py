@@ -59,8 +59,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if follower_exit is not None:
         return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    stream_reply(llm, prompt, _sampling(args))
+    try:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        stream_reply(llm, prompt, _sampling(args))
+    finally:
+        llm.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0
 
 
@@ -69,6 +72,14 @@ def run_chat(args: argparse.Namespace) -> int:
     if follower_exit is not None:
         return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
+    try:
+        _chat(llm, args)
+    finally:
+        llm.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
+    return 0
+
+
+def _chat(llm: LLM, args: argparse.Namespace) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     error_console.print("chat: type a message, an empty line or Ctrl-D to quit")
     while True:
@@ -87,7 +98,6 @@ def run_chat(args: argparse.Namespace) -> int:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})
-    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
     error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")
-    if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
-        raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    try:
+        if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
+            raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0
