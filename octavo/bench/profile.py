@@ -116,7 +116,7 @@ def _prefill_profile(engine: LLMEngine, vocab_ids: list[int], generator) -> Step
         runs.append(dict(seconds))
     profile = StepProfile(f"prefill, {PREFILL_TOKENS} tokens", PREFILL_TOKENS, _median(runs[WARM_STEPS:]))
     engine.add_request(_draw(vocab_ids, PREFILL_TOKENS, generator), params)
-    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    profile.model_parts, profile.profiled_model_seconds = profiled_step(engine)
     return profile
 
 
@@ -129,7 +129,7 @@ def _measure(engine: LLMEngine, name: str, num_tokens: int) -> StepProfile:
             engine.step()
         runs.append(dict(seconds))
     profile = StepProfile(name, num_tokens, _median(runs))
-    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    profile.model_parts, profile.profiled_model_seconds = profiled_step(engine)
     return profile
 
 
@@ -137,7 +137,7 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {phase: statistics.median(run.get(phase, 0.0) for run in runs) for phase in PHASES}
 
 
-def _profiled_step(engine: LLMEngine) -> tuple[dict[str, float], float]:
+def profiled_step(engine: LLMEngine) -> tuple[dict[str, float], float]:
     """One step under torch.profiler: seconds of the model phase per MODEL_PARTS kind, and its total."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -194,5 +194,5 @@ def format_profiles(profiles: list[StepProfile]) -> list[str]:
         if model:
             lines.append(f"  model under torch.profiler {model * 1e3:.1f} ms: " + ", ".join(
                 f"{part} {seconds * 1e3:.2f} ms ({seconds / model:.1%})"
-                for part, seconds in profile.model_parts.items()))
+                for part, seconds in profile.model_parts.items() if seconds or part != "collectives"))
     return lines

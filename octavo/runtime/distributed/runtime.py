@@ -186,6 +186,8 @@ class ParallelRuntime:
             return error
         causes = diagnose(self.store, self.topology.world_size, self.workers.failures)
         what = "; ".join(causes) if causes else "a rank could not be reached"
+        if not causes and self.rendezvous.launcher not in ("octavo", "ray"):
+            what += f" ({self.rendezvous.launcher} reports which process ended)"
         return WorkerFailedError(f"distributed engine stopped during {during}: {what} ({short_error(error)})")
 
     def shutdown(self) -> None:

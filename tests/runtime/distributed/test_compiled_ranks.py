@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from octavo.bench.profile import profiled_step
 from octavo.config import EngineConfig
 from octavo.parallel import create_engine
 from octavo.runtime.loader import load_artifact
@@ -53,6 +54,9 @@ def test_compiled_ranks_compute_the_single_process_logits(tiny_artifact, compile
                         finals[name][output.request_id] = output.outputs[0].token_ids
             torch.testing.assert_close(engine.last_step.logits, reference.last_step.logits, rtol=0, atol=ATOL)
         assert finals["parallel"] == finals["reference"]
+        engine.add_request(random_tokens(rng, 30), greedy(1))
+        parts, _ = profiled_step(engine)  # what `octavo bench --profile` reports
+        assert parts["collectives"] > 0 and parts["linears"] > 0
     finally:
         engine.shutdown()
     packages = sorted((compiled_cache / "executor").iterdir())
