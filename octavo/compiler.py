@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from octavo import __version__
 from octavo.codegen.artifact import check_output_dir, write_artifact
 from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
@@ -27,6 +26,7 @@ from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
 from octavo.passes.quant_schemes import Calibration, scheme_for
+from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
 

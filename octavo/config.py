@@ -15,6 +15,7 @@ DEFAULT_BLOCK_SIZE = 16
 QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 VOCAB_QUANT = ("int8", "w4", "none")
+DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")
 
 
 @dataclass
@@ -192,11 +193,18 @@ class SpeculativeConfig:
 class EngineConfig:
     """Options of the runtime engine (LLM(...), octavo generate/serve/bench).
 
-    Parallel engines: tensor_parallel_size x pipeline_parallel_size ranks,
-    spread over `nnodes` machines that meet at `distributed_init`
-    (tcp://HOST:PORT of node 0); `collective_timeout` bounds every wait
-    within a step (seconds); `pipeline_depth` is how many batches are in
-    flight through the stages (default: pipeline_parallel_size).
+    Parallel engines: tensor_parallel_size x pipeline_parallel_size ranks.
+    `distributed_executor` says who starts them: "mp" (Octavo starts the
+    ranks of this machine as processes; with `nnodes` > 1 every machine runs
+    the same command with its `node_rank`, and all meet at `distributed_init`,
+    tcp://HOST:PORT of node 0), "ray" (an actor per rank on a Ray cluster),
+    or "auto":
+    the launcher that started this process (torchrun, srun: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT or SLURM's variables) when there is one, else
+    "mp". `collective_timeout` bounds every wait within a step (seconds),
+    `rendezvous_timeout` the wait for the other ranks at start-up (they load
+    and may compile their programs); `pipeline_depth` is how many batches are
+    in flight through the stages (default: pipeline_parallel_size).
     """
 
     max_num_seqs: int = 128
@@ -218,6 +226,8 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     collective_timeout: float = 60.0
+    rendezvous_timeout: float = 600.0
+    distributed_executor: str = "auto"
     pipeline_depth: int | None = None
     speculative: str | SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
@@ -262,8 +272,15 @@ class EngineConfig:
             raise OctavoError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
         if self.pipeline_depth is not None and self.pipeline_depth < 1:
             raise OctavoError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
-        if self.collective_timeout <= 0:
-            raise OctavoError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
+        for name in ("collective_timeout", "rendezvous_timeout"):
+            if getattr(self, name) <= 0:
+                raise OctavoError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise OctavoError(f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, "
+                              f"got {self.distributed_executor!r}")
+        if self.distributed_executor == "ray" and (self.nnodes > 1 or self.distributed_init):
+            raise OctavoError("distributed_executor ray places the ranks itself: nnodes, node_rank and "
+                              "distributed_init belong to the mp executor")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.ir.artifact_format import MANIFEST
+from octavo.parallel import create_engine, follow
 from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 
@@ -31,6 +31,13 @@ class LLM:
     directory, .gguf file) that is compiled once into the compile cache with
     `dtype`. Engine options (max_num_seqs, kv_cache_memory, ...) are keyword
     arguments, as in EngineConfig.
+
+    With tensor_parallel_size or pipeline_parallel_size > 1 this process is
+    rank 0: it starts the other ranks as processes of their own (they never
+    import the calling program), or, when torchrun or srun started this
+    process as one of the ranks, joins them. On a rank other than 0 of such a
+    launch, the constructor runs the rank until rank 0 shuts the engine down
+    and then ends the process (SystemExit): rank 0 generates, the others follow.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "auto", **engine_options):
@@ -40,7 +47,11 @@ class LLM:
 
             path = cached_artifact(model, CompileConfig(dtype=dtype))
         self.artifact_path = path
-        self.engine = LLMEngine(path, EngineConfig.from_kwargs(**engine_options))
+        config = EngineConfig.from_kwargs(**engine_options)
+        follower_exit = follow(path, config)
+        if follower_exit is not None:
+            raise SystemExit(follower_exit)
+        self.engine = create_engine(path, config)
         self._ids = itertools.count()
         self._active: str | None = None
 

@@ -9,10 +9,12 @@ one 512-token prefill. For each, the step is split in two ways:
   model, bookkeeping after it, sampling, detokenization (with stop checks),
   output collection;
 - the model phase by what ran inside it, from one step under torch.profiler:
-  linears (GEMMs), attention (the paged-attention op with the KV write), other
-  kernels (norms, RoPE, activations, fused pointwise groups, embedding, views),
-  and graph dispatch: the model's time outside any op, which is the Python (or
-  compiled wrapper) code that calls the ops. The profiler adds a few
+  linears (GEMMs), attention (the paged-attention op with the KV write),
+  collectives (a parallel engine's all-reduces and all-gathers on rank 0,
+  waits for the slowest rank included), other kernels (norms, RoPE,
+  activations, fused pointwise groups, embedding, views), and graph dispatch:
+  the model's time outside any op, which is the Python (or compiled wrapper)
+  code that calls the ops. The profiler adds a few
   microseconds per op, so these figures are read as shares, not absolutes.
 """
 
@@ -30,7 +32,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.step_phases import PHASE_LABEL_PREFIX
 
 PHASES = ("schedule", "inputs", "model", "bookkeeping", "sample", "detokenize", "outputs")
-MODEL_PARTS = ("linears", "attention", "other kernels", "graph dispatch")
+MODEL_PARTS = ("linears", "attention", "collectives", "other kernels", "graph dispatch")
 CONTEXT_RANGE = (64, 640)
 PREFILL_TOKENS = 512
 MEASURED_STEPS = 5
@@ -114,7 +116,7 @@ def _prefill_profile(engine: LLMEngine, vocab_ids: list[int], generator) -> Step
         runs.append(dict(seconds))
     profile = StepProfile(f"prefill, {PREFILL_TOKENS} tokens", PREFILL_TOKENS, _median(runs[WARM_STEPS:]))
     engine.add_request(_draw(vocab_ids, PREFILL_TOKENS, generator), params)
-    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    profile.model_parts, profile.profiled_model_seconds = profiled_step(engine)
     return profile
 
 
@@ -127,7 +129,7 @@ def _measure(engine: LLMEngine, name: str, num_tokens: int) -> StepProfile:
             engine.step()
         runs.append(dict(seconds))
     profile = StepProfile(name, num_tokens, _median(runs))
-    profile.model_parts, profile.profiled_model_seconds = _profiled_step(engine)
+    profile.model_parts, profile.profiled_model_seconds = profiled_step(engine)
     return profile
 
 
@@ -135,7 +137,7 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {phase: statistics.median(run.get(phase, 0.0) for run in runs) for phase in PHASES}
 
 
-def _profiled_step(engine: LLMEngine) -> tuple[dict[str, float], float]:
+def profiled_step(engine: LLMEngine) -> tuple[dict[str, float], float]:
     """One step under torch.profiler: seconds of the model phase per MODEL_PARTS kind, and its total."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -171,6 +173,8 @@ def _kind(name: str) -> str:
     lowered = name.lower()
     if "paged_attention" in lowered:
         return "attention"
+    if lowered.startswith("octavo_rank::"):
+        return "collectives"
     if _LINEAR_WORDS & set(re.split(r"[^a-z0-9]+", lowered)) or "linear" in lowered:
         return "linears"
     return "other kernels"
@@ -190,5 +194,5 @@ def format_profiles(profiles: list[StepProfile]) -> list[str]:
         if model:
             lines.append(f"  model under torch.profiler {model * 1e3:.1f} ms: " + ", ".join(
                 f"{part} {seconds * 1e3:.2f} ms ({seconds / model:.1%})"
-                for part, seconds in profile.model_parts.items()))
+                for part, seconds in profile.model_parts.items() if seconds or part != "collectives"))
     return lines

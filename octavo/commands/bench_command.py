@@ -10,8 +10,9 @@ import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
 from octavo.bench.workloads import get_workload, workload_from_file
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import OctavoError
+from octavo.parallel import create_engine
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact
 
@@ -56,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_online(args, workload)
     if args.artifact is None:
         raise OctavoError("give an ARTIFACT directory, or --server URL to benchmark a running server")
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     config = engine_config(args)
     if args.vs == "no-speculation" and config.speculative is None:
         raise OctavoError("--vs no-speculation compares against speculative decoding: add --speculative SPEC")
@@ -70,16 +71,20 @@ def run(args: argparse.Namespace) -> int:
     needed_blocks = workload_blocks(workload, artifact)
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
-    engine = LLMEngine(artifact, config)
-    if args.profile:
-        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
-    prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
-    console.print(f"workload {workload.name}: {workload.description} "
-                  f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
-                  f"backend {engine.backend}, "
-                  f"KV pool {engine.block_manager.num_blocks} blocks = "
-                  f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
-    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    engine = create_engine(artifact, config)
+    try:
+        if args.profile:
+            return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
+        prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
+        console.print(f"workload {workload.name}: {workload.description} "
+                      f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
+                      f"backend {engine.backend}, "
+                      f"KV pool {engine.block_manager.num_blocks} blocks = "
+                      f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload "
+                      "needs)")
+        octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    finally:
+        engine.shutdown()  # before any baseline engine: a process runs one parallel engine at a time
     console.print(octavo_result.line(), markup=False)
     if args.vs in ("no-prefix-caching", "full-pool", "no-speculation"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
@@ -102,17 +107,20 @@ def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, 
     changes = {"no-prefix-caching": {"enable_prefix_caching": False},
                "full-pool": {"num_kv_blocks": needed_blocks, "kv_cache_memory": None},
                "no-speculation": {"speculative": None}}[variant]
-    baseline = LLMEngine(artifact, dataclasses.replace(config, **changes))
+    baseline = create_engine(artifact, dataclasses.replace(config, **changes))
     _compare(variant, baseline, workload, prompts, result, tokens)
 
 
 def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> None:
     """Run the same workload on a second artifact with the same engine options, and print the ratio."""
-    _compare(f"octavo[{path}]", LLMEngine(load_artifact(path), config), workload, prompts, result, tokens)
+    _compare(f"octavo[{path}]", create_engine(load_artifact(path), config), workload, prompts, result, tokens)
 
 
 def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:
-    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+    try:
+        baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+    finally:
+        baseline.shutdown()
     baseline_result.engine = name
     console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))

@@ -7,10 +7,9 @@ import json
 
 from tqdm.auto import tqdm
 
-from octavo.commands.common import add_engine_arguments, console, engine_config
+from octavo.commands.common import add_engine_arguments, console, create_engine, follow_engine
 from octavo.eval.corpus import read_text, text_digest
 from octavo.eval.perplexity import DEFAULT_STRIDE, DEFAULT_WINDOW, perplexity, plan_windows, tokenize_text
-from octavo.runtime.engine import LLMEngine
 
 
 def add_parser(subparsers) -> None:
@@ -30,12 +29,18 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     text = read_text(args.perplexity)
-    engine = LLMEngine(args.artifact, engine_config(args))
-    token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
-    windows = plan_windows(len(token_ids), args.window, args.stride)
-    with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
-        result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    engine = create_engine(args)
+    try:
+        token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
+        windows = plan_windows(len(token_ids), args.window, args.stride)
+        with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
+            result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     record = {**result.as_dict(), "text": args.perplexity, "text_sha256": text_digest(text),
               "artifact": args.artifact}
     if args.json:

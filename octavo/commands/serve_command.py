@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from octavo.commands.common import add_engine_arguments, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, create_engine, error_console, follow_engine
 from octavo.errors import OctavoError
 from octavo.serve.context import DEFAULT_MAX_REQUEST_BYTES
 from octavo.serve.stream import DEFAULT_MAX_BACKLOG
@@ -42,7 +42,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.runtime.engine import LLMEngine
     from octavo.serve.app import build_app
     from octavo.serve.async_engine import AsyncEngine
     from octavo.serve.context import ServerSettings
@@ -55,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
             raise OctavoError(f"{flag} must be >= {0 if option == 'max_waiting' else 1}, got {value}")
     if args.grace_period < 0:
         raise OctavoError(f"--grace-period must be >= 0, got {args.grace_period}")
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
-    engine = LLMEngine(args.artifact, engine_config(args))
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
+    engine = create_engine(args)
     settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
                               max_request_bytes=args.max_request_bytes, tokenizer_threads=args.tokenizer_threads,
@@ -66,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
     error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")
-    if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
-        raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    try:
+        if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
+            raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0

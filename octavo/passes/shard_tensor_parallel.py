@@ -22,7 +22,16 @@ from octavo.passes.tensor_parallel_layout import (
     vocab_rows,
     vocab_shard,
 )
-from octavo.passes.tensor_parallel_patterns import LINEARS, VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
+from octavo.passes.tensor_parallel_patterns import VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
+from octavo.passes.tensor_parallel_weights import (
+    EMBEDDINGS,
+    LINEARS,
+    args_of,
+    bias_of,
+    column_slices,
+    in_features,
+    weight_tensor_nodes,
+)
 
 aten = torch.ops.aten
 octavo = torch.ops.octavo
@@ -63,11 +72,13 @@ def shard_tensor_parallel(graph_module: GraphModule, ctx: PassContext) -> GraphM
       ``octavo.all_reduce`` sums the one rank's row with zeros.
     - lm_head: the same vocabulary rows; the rank's logits columns are joined
       by ``octavo.all_gather`` along the last dim and cut back to V columns.
+    - Quantized linears and embeddings (w8, w4, fp8) split the same way, their
+      qweight, scales and offsets together; by input columns only on whole
+      quantization groups (see tensor_parallel_weights).
 
     The KV layout in ``ctx.kv_layout`` becomes the rank's (its head counts).
     Sizes that do not divide raise PassError naming them; so does any op that
-    reads a weight and is not one of the above or a norm/rotary op (quantized
-    linears, for instance, are not sharded yet). Stats: tp_size, tp_rank,
+    reads a weight and is not one of the above or a norm/rotary op. Stats: tp_size, tp_rank,
     attention_layers, mlp_layers, all_reduce, all_gather.
     """
     position = ctx.rank
@@ -112,7 +123,7 @@ class _Sharder:
             self._shard_attention(attention)
         for gate in self._gated_mlps():
             self._shard_mlp(gate)
-        for embedding in find_nodes(self.graph_module, aten.embedding.default):
+        for embedding in [node for op in EMBEDDINGS for node in find_nodes(self.graph_module, op)]:
             self._shard_embedding(embedding)
         self._shard_lm_head()
         self._check_every_weight_user_handled()
@@ -234,14 +245,13 @@ class _Sharder:
         if not (is_call(down, *LINEARS) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: the gated MLP output {gate.name} does not feed one down "
                             "projection linear")
-        self._shard_row_parallel(down, self._intermediate_columns(down.args[1]))
+        self._shard_row_parallel(down, self._intermediate_columns(down))
         self.counts["mlp_layers"] += 1
 
-    def _intermediate_columns(self, down_weight: Node) -> range:
-        if down_weight.name in self.sliced:
-            raise PassError(f"shard_tensor_parallel: down projection weight {down_weight.name} is read twice")
-        size = int(self.ctx.weights[down_weight.name].shape[1])
-        return even_share(size, self.tp_size, self.tp_rank, "MLP intermediate size")
+    def _intermediate_columns(self, down: Node) -> range:
+        if down.args[1].name in self.sliced:
+            raise PassError(f"shard_tensor_parallel: down projection weight {down.args[1].name} is read twice")
+        return even_share(in_features(down, self.ctx.weights), self.tp_size, self.tp_rank, "MLP intermediate size")
 
     def _shard_fused_gate_up(self, gate: Node) -> None:
         merged = gate.args[0]
@@ -283,11 +293,13 @@ class _Sharder:
     # ---- embedding and lm_head ----
 
     def _shard_embedding(self, embedding: Node) -> None:
-        weight, ids = embedding.args[:2]
-        if not is_weight(weight, self.ctx) or embedding.kwargs:
+        tables = weight_tensor_nodes(embedding)
+        ids = embedding.args[args_of(embedding).indices]
+        if not all(is_weight(table, self.ctx) for table in tables) or embedding.kwargs:
             raise PassError(f"shard_tensor_parallel cannot shard {_describe(embedding)} by vocabulary")
-        shard = vocab_shard(self._vocab_rows(weight), self.tp_size, self.tp_rank)
-        self._slice_weight(weight, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
+        shard = vocab_shard(self._vocab_rows(tables[0]), self.tp_size, self.tp_rank)
+        for table in tables:
+            self._slice_weight(table, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
         graph = self.graph_module.graph
         with graph.inserting_before(embedding):
             shifted = graph.call_function(aten.sub.Tensor, (ids, shard.start))
@@ -295,9 +307,13 @@ class _Sharder:
             above = graph.call_function(aten.ge.Scalar, (shifted, shard.size))
             outside = graph.call_function(aten.bitwise_or.Tensor, (below, above))
             local_ids = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-        # padding_idx (and the other trailing arguments) only change gradients; a global row index has no
-        # meaning for the rank's rows, so none is passed on.
-        embedding.args = (weight, local_ids)
+        if embedding.target is aten.embedding.default:
+            # padding_idx (and the other trailing arguments) only change gradients; a global row index has no
+            # meaning for the rank's rows, so none is passed on.
+            embedding.args = (tables[0], local_ids)
+        else:
+            index = args_of(embedding).indices
+            embedding.args = (*embedding.args[:index], local_ids, *embedding.args[index + 1:])
         with graph.inserting_before(embedding.next):
             mask = graph.call_function(aten.unsqueeze.default, (outside, -1))
             zeroed = graph.call_function(aten.masked_fill.Scalar, (embedding, mask, 0.0))
@@ -308,12 +324,13 @@ class _Sharder:
 
     def _shard_lm_head(self) -> None:
         lm_head = find_lm_head(self.graph_module)
-        weight = lm_head.args[1]
-        if not is_weight(weight, self.ctx) or any(arg is not None for arg in lm_head.args[2:]):  # a bias
+        tables = weight_tensor_nodes(lm_head)
+        if not all(is_weight(table, self.ctx) for table in tables) or bias_of(lm_head) is not None:
             raise PassError(f"shard_tensor_parallel cannot shard the lm_head {_describe(lm_head)} by vocabulary")
-        vocab = self._vocab_rows(weight)
+        vocab = self._vocab_rows(tables[0])
         shard = vocab_shard(vocab, self.tp_size, self.tp_rank)
-        self._slice_weight(weight, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
+        for table in tables:
+            self._slice_weight(table, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
         graph = self.graph_module.graph
         with graph.inserting_before(lm_head.next):
             gathered = graph.call_function(octavo.all_gather.default, (lm_head, GROUP, self.tp_size, -1))
@@ -331,20 +348,27 @@ class _Sharder:
     # ---- linears and weights ----
 
     def _shard_column_parallel(self, linear: Node, rows: list[range]) -> None:
-        """Keep output rows `rows` (in order) of the linear's weight and bias."""
+        """Keep output rows `rows` (in order) of the linear's weight tensors and bias."""
         key = ("rows", tuple((part.start, part.stop) for part in rows))
-        for parameter in linear.args[1:]:
+        for parameter in [*weight_tensor_nodes(linear), bias_of(linear)]:
             if parameter is not None:
                 self._slice_weight(parameter, key, lambda tensor: row_ranges(tensor, rows))
         self.handled.add(linear)
 
     def _shard_row_parallel(self, linear: Node, columns: range) -> None:
         """Keep input columns `columns` of the weight; sum the partial outputs with all_reduce."""
-        weight = linear.args[1]
-        self._slice_weight(weight, ("columns", columns.start, columns.stop),
-                           lambda tensor: column_range(tensor, columns))
-        bias = linear.args[2] if len(linear.args) > 2 else None
-        linear.args = linear.args[:2]
+        spec, bias = args_of(linear), bias_of(linear)
+        slices = column_slices(linear, self.ctx.weights, columns)
+        for tensor, part in zip(weight_tensor_nodes(linear), slices.ranges, strict=True):
+            if part is not None:
+                self._slice_weight(tensor, ("columns", part.start, part.stop),
+                                   lambda weight, part=part: column_range(weight, part))
+        args = list(linear.args)
+        if spec.bias is not None and len(args) > spec.bias:
+            args[spec.bias] = None  # added once, after the reduction
+        if slices.group_size is not None:
+            args[spec.group_size] = slices.group_size
+        linear.args = tuple(args)
         graph = self.graph_module.graph
         with graph.inserting_before(linear.next):
             reduced = graph.call_function(octavo.all_reduce.default, (linear, GROUP, self.tp_size))

@@ -7,7 +7,6 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +16,10 @@ from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
-from octavo.runtime.executor import create_executor, resolve_executor
+from octavo.runtime.distributed.devices import rank_device
+from octavo.runtime.distributed.launch import RankLaunch
+from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
+from octavo.runtime.executor_choice import create_executor, resolve_executor
 from octavo.runtime.host_pool import HostBlockPool
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
@@ -33,30 +35,32 @@ from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.spec_decode.speculator import build_speculator
 from octavo.runtime.step_phases import StepPhases
+from octavo.runtime.step_record import StepRecord
 from octavo.runtime.warmup import warm_up, warmup_steps
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepRecord:
-    """What the last step ran: the schedule, its inputs and the logits rows it produced (for debugging)."""
-
-    schedule: SchedulerOutput
-    inputs: StepInputs
-    logits: torch.Tensor
-
-
 class LLMEngine:
     """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is false."""
 
-    def __init__(self, artifact: str | os.PathLike | LoadedArtifact, config: EngineConfig | None = None):
+    def __init__(self, artifact: str | os.PathLike | LoadedArtifact, config: EngineConfig | None = None,
+                 launch: RankLaunch | None = None):
+        """`launch` starts the ranks of a parallel engine (world_size > 1); octavo.parallel.create_engine
+        makes it, since sharding the artifact for each rank runs the parallel passes."""
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        if self.config.world_size > 1 and launch is None:
+            raise OctavoError(f"an engine of {self.config.world_size} ranks is built by octavo.parallel.create_engine "
+                              "(or octavo.LLM), which shards the artifact for each rank")
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact)
         manifest = self.artifact.manifest
-        self.device = resolve_device(self.config.device)
+        if launch is not None:
+            rendezvous = launch.rendezvous
+            self.device = rank_device(self.config.device, rendezvous.local_rank, rendezvous.local_world_size)
+        else:
+            self.device = resolve_device(self.config.device)
         self.backend = resolve_backend(self.config.backend, self.device)
         if self.backend == "triton":
             from octavo.codegen.triton_backend.availability import check_triton_kv_layout, use_octavo_triton_cache
@@ -72,11 +76,11 @@ class LLMEngine:
         self._length_limit_note = ""
         layout = manifest["kv_layout"]
         self.parallel = None
-        if self.config.world_size > 1:
+        if launch is not None:
             from octavo.runtime.distributed import ParallelRuntime
 
             # Every rank holds its share of the cache (its heads, its stage's layers); rank 0's is the engine's.
-            self.parallel = ParallelRuntime(self.artifact, self.config, self.backend, self.device)
+            self.parallel = ParallelRuntime(self.artifact, self.config, self.backend, self.device, launch)
             layout, self.kv_cache = self.parallel.kv_layout, self.parallel.kv_cache
             num_blocks, num_host_blocks = self.kv_cache.num_blocks, self.kv_cache.num_host_blocks
         else:
@@ -92,11 +96,9 @@ class LLMEngine:
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         if self.parallel is not None:
             self.executor = self.parallel.executor
-            if resolve_executor(self.config.executor) == "compiled":
-                logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
-                               "is for single-process engines)")
         else:
-            self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
+            self.executor = create_executor(self.artifact.graph_module, self.artifact.weights, manifest,
+                                            self.backend, self.device, self.config.executor,
                                             activation_dtype=getattr(torch, manifest["dtype"]))
         executor_kind = getattr(self.executor, "kind", "eager")
         cuda_graphs = (self.device.type == "cuda" and self.parallel is None
@@ -105,6 +107,8 @@ class LLMEngine:
                                   -(-self.max_model_len // layout["block_size"]), self.device,
                                   pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
         self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
+        if self.parallel is not None:
+            self.executor_kind = f"{executor_kind} on {self.config.world_size} ranks"
         self.warmup_seconds = 0.0
         if cuda_graphs:
             steps = warmup_steps(self.runner.buffers.ladder, self.config.max_num_batched_tokens,
@@ -112,7 +116,6 @@ class LLMEngine:
             self.warmup_seconds = warm_up(self.runner, steps, layout["block_size"])
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
-            from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
 
             self.pipeline = PipelinedSteps(self, self.config.pipeline_depth or self.config.pipeline_parallel_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)

@@ -142,3 +142,36 @@ def test_rank_program_round_trips_through_graph_onnx(artifacts):
     assert collectives == [(node.name, node.target, node.args[1:]) for node in program.graph_module.graph.nodes
                            if node.op == "call_function" and "all_" in str(node.target)]
     assert len(collectives) == 2 * LAYERS + 2
+
+
+# The quantized artifacts the quantization and engine tests build too (shared through the session).
+QUANTIZED = [{"quant": "w4", "kv_cache_dtype": "int8"}, {"quant": "w8", "vocab_quant": "w4"}]
+
+
+@pytest.mark.parametrize("options", QUANTIZED, ids=["w4-int8kv", "w8-w4vocab"])
+def test_quantized_linears_split_with_their_scales(tiny_quantized_artifact, options):
+    """The ops' reference definitions dequantize in float32, so sharding reorders float32 sums only (ATOL)."""
+    artifact = load_artifact(tiny_quantized_artifact("llama", **options))
+    assert_layouts_compute_the_same_logits(artifact, [(2, 1)])
+    program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    prefix = "model_layers_0_mlp_down_proj"
+    full, local = artifact.weights[f"{prefix}_qweight"], program.weights[f"{prefix}_qweight"]
+    columns = full.shape[1] // 2  # rank 1 of 2: the second half of the input features (w4: of the bytes)
+    torch.testing.assert_close(local, full[:, columns:], rtol=0, atol=0)
+    weight = next(node for node in program.graph_module.graph.find_nodes(op="placeholder")
+                  if node.name == f"{prefix}_qweight")
+    (down,) = weight.users
+    group_size = down.args[-1]
+    groups = artifact.weights[f"{prefix}_scales"].shape[1]
+    if groups > 1:  # group-wise scales: the rank keeps the scale columns of its own groups
+        torch.testing.assert_close(program.weights[f"{prefix}_scales"],
+                                   artifact.weights[f"{prefix}_scales"][:, groups // 2:], rtol=0, atol=0)
+    else:  # one scale per row: kept whole, the group becomes the rank's columns
+        assert group_size == full.shape[1] // 2
+
+
+def test_a_quantization_group_that_would_straddle_two_ranks_is_named(tiny_quantized_artifact):
+    artifact = load_artifact(tiny_quantized_artifact("llama", quant="w4", kv_cache_dtype="int8"))
+    # 4 ranks: o_proj's 64 input features give each rank 16, half a group of 32.
+    with pytest.raises(PassError, match=r"rank columns \[0, 16\) of 64 cut a quantization group of 32 columns"):
+        prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(4, 0))

@@ -15,11 +15,9 @@ from torch import Tensor
 
 from octavo.codegen.triton_backend.attention_decode import decode_attention
 from octavo.codegen.triton_backend.attention_prefill import prefill_attention
+from octavo.codegen.triton_backend.availability import QUANTIZED_CACHE_ERROR
 from octavo.codegen.triton_backend.kv_cache_write import write_kv_cache
 from octavo.errors import OctavoError
-
-QUANTIZED_CACHE_ERROR = ("the Triton backend has no int8/fp8 KV cache kernels yet: run this artifact with --backend "
-                         "torch, or compile it without --kv-cache-dtype")
 
 
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,

@@ -258,11 +258,19 @@ def _describe(cost: StepCostModel) -> str:
 
 
 def build_speculator(engine) -> Speculator:
-    """The Speculator of `engine` for its `config.speculative` (the draft artifact is loaded here)."""
+    """The Speculator of `engine` for its `config.speculative` (the draft artifact is loaded here).
+
+    In a tensor-parallel engine the proposer runs on rank 0 alone, beside the
+    scheduler and the sampler that use its tokens: a draft small enough to pay
+    gains nothing from being split (each of its k sequential steps would wait
+    on collectives), and a replica on every rank would compute the same tokens
+    for nobody. The verification step is an ordinary step of every rank.
+    """
     config: SpeculativeConfig = engine.config.speculative
-    if engine.config.world_size > 1:
-        raise OctavoError("speculative decoding runs on a single-process engine; it is not available with "
-                          "tensor_parallel_size or pipeline_parallel_size > 1 yet")
+    if engine.pipeline is not None and engine.pipeline.depth > 1:
+        # Batches in flight through the stages would verify proposals made before the previous batch's tokens.
+        raise OctavoError("speculative decoding is not available with pipeline_parallel_size > 1 (it runs with "
+                          "tensor parallelism, or with pipeline_depth 1)")
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:
