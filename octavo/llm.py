@@ -18,6 +18,7 @@ from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,13 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int | BeamSearchParams,
                     max_tokens: int | None = None, *, ignore_eos: bool = False,
-                    length_penalty: float = 1.0) -> list[BeamSearchOutput]:
-        """Beam search (vLLM's semantics, see octavo.runtime.beam_search); one output per prompt, best first."""
+                    length_penalty: float = 1.0, structured: StructuredOutputs | dict | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's semantics, see octavo.runtime.beam_search); one output per prompt, best first.
+
+        `structured` keeps every beam inside a grammar (see SamplingParams.structured)."""
         params = beam_width if isinstance(beam_width, BeamSearchParams) else BeamSearchParams(
-            beam_width, max_tokens if max_tokens is not None else 16, ignore_eos, length_penalty)
+            beam_width, max_tokens if max_tokens is not None else 16, ignore_eos, length_penalty, structured)
         token_prompts = []
         for prompt in _as_prompt_list(prompts):
             if isinstance(prompt, dict):

@@ -33,6 +33,8 @@ from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.spec_decode.speculator import build_speculator
 from octavo.runtime.step_phases import StepPhases
+from octavo.runtime.structured.manager import StructuredOutputManager
+from octavo.runtime.structured.masks import StepMask
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,10 @@ class LLMEngine:
             self.pipeline = PipelinedSteps(self, self.config.pipeline_depth or self.config.pipeline_parallel_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self.phases = StepPhases()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.step_mask: StepMask | None = None  # the banned tokens of the last step's constrained rows
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
-                                       self.max_model_len, self.phases)
+                                       self.max_model_len, self.phases, self.structured)
         self.speculator = build_speculator(self) if self.config.speculative else None
         self.requests: dict[str, Request] = {}
         self.last_step: StepRecord | None = None
@@ -159,9 +163,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        grammar = self.structured.start(params.structured) if params.structured is not None else None
         request = Request(request_id, text, token_ids, params, priority=priority)
         seq = Sequence(request_id, 0, token_ids, params, self._detokenizer(token_ids, params),
-                       generator=_generator(params, 0), priority=priority)
+                       generator=_generator(params, 0), priority=priority, grammar=grammar)
         request.sequences.append(seq)
         self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -208,7 +213,7 @@ class LLMEngine:
             seq = schedule.scheduled[scheduled_index].seq
             rows.append((seq, row))
             rows += [(sibling, row) for sibling in self._fork_siblings(seq)]
-        self.outputs.sample_and_append(rows, logits)
+        self.outputs.sample_and_append(rows, logits, self.step_mask)
         if self.speculator is not None:
             self.speculator.verify(schedule, inputs, logits)
         with self.phases.time("outputs"):
@@ -219,6 +224,7 @@ class LLMEngine:
         """Schedule and run the graph; advance computed-token counts; score prompt logprobs. No sampling.
 
         `proposals` (speculative tokens) are computed too; they are not counted as computed here.
+        The banned tokens of constrained rows are computed while the model runs, into `step_mask`.
         """
         with self.phases.time("schedule"):
             schedule = self.scheduler.schedule(proposals)
@@ -231,8 +237,13 @@ class LLMEngine:
         with self.phases.time("inputs"):
             inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
             feed = self.runner.prepare(inputs)
-        with self.phases.time("model"):
-            logits = self.runner.execute(feed)
+        pending_mask = self.structured.submit_step(schedule, inputs)
+        try:
+            with self.phases.time("model"):
+                logits = self.runner.execute(feed)
+        finally:  # the worker reads the sequences' grammar states: wait for it whatever happened
+            with self.phases.time("grammar"):
+                self.step_mask = pending_mask.result() if pending_mask is not None else None
         self.last_step = StepRecord(schedule, inputs, logits)
         self.num_steps += 1
         with self.phases.time("bookkeeping"):
@@ -276,7 +287,8 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the worker ranks of a parallel engine (a single-process engine holds nothing to release)."""
+        """Stop the worker ranks of a parallel engine and the structured-output mask thread."""
+        self.structured.shutdown()
         if self.parallel is not None:
             self.parallel.shutdown()
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.runtime.structured.matcher import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +60,7 @@ class Sequence:
     host_block_table: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar: GrammarState | None = None  # where a structured-output sequence is in its grammar
     _block_hashes: list[int] = field(default_factory=list, repr=False)
     # Where BlockManager.cache_full_blocks resumes: (blocks entered, last entered block id, its cache id).
     cache_walk: tuple[int, int, int] | None = field(default=None, repr=False)
@@ -122,7 +127,8 @@ class Sequence:
                          status=self.status, output_text=self.output_text,
                          cumulative_logprob=self.cumulative_logprob,
                          output_logprobs=list(self.output_logprobs) if self.output_logprobs is not None else None,
-                         num_cached_tokens=self.num_cached_tokens, first_token_time=self.first_token_time)
+                         num_cached_tokens=self.num_cached_tokens, first_token_time=self.first_token_time,
+                         grammar=self.grammar.fork() if self.grammar is not None else None)
         child._block_hashes = list(self._block_hashes)
         return child
 
