@@ -20,6 +20,7 @@ from octavo.serve.logprobs import completion_logprobs
 from octavo.serve.protocol import CompletionRequest
 from octavo.serve.sse import respond
 from octavo.serve.stream import OutputDelta, SampleDelta
+from octavo.serve.structured import compile_structure, requested_structure
 from octavo.serve.tokenization import EncodedPrompt, encode_prompt
 
 router = APIRouter()
@@ -33,7 +34,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     # echo with logprobs scores the prompt too (vLLM's prompt_logprobs).
-    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+    structure = requested_structure(body)
+    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None,
+                             structure.spec if structure is not None else None)
     prompts = body.prompt_list()
     if not prompts:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -46,6 +49,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     def encode(tokenizer) -> list[EncodedPrompt]:
         return [encode_prompt(tokenizer, prompt, body.echo, body.add_special_tokens) for prompt in prompts]
 
+    await compile_structure(context, structure)
     generation = await context.admit(len(prompts), params, encode, arrival)
     writer = CompletionWriter(context, generation, body, params.n)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)

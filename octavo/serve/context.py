@@ -27,6 +27,7 @@ from octavo.serve.metrics import ServerMetrics
 from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.stream import OutputDelta, RequestStream
 from octavo.serve.tokenization import DEFAULT_WORKERS, EncodedPrompt, PromptEncoder
+from octavo.serve.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ServerSettings:
     """What `octavo serve` was started with, beyond the engine options.
 
     `max_waiting_tokens` None means the KV pool's token slots (see `ServerContext.waiting_token_limit`).
+    `tool_call_parser`: the format tool calls are read in with tool_choice "auto" (`tool_parsers`; "auto"
+    picks it from the chat template).
     """
 
     model_name: str
@@ -50,6 +53,7 @@ class ServerSettings:
     tokenizer_threads: int = DEFAULT_WORKERS
     grace_period_s: float = 30.0
     retry_after_s: int = 1
+    tool_call_parser: str = "auto"
 
 
 class ServerContext:
@@ -57,7 +61,11 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics(lambda: engine.metrics, settings.model_name)
-        self.encoder = PromptEncoder(engine.engine.tokenizer, settings.tokenizer_threads)
+        tokenizer = engine.engine.tokenizer
+        self.tool_parser = tool_parser(settings.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        # The grammar engine reads the vocabulary now, before any other thread uses the tokenizer.
+        engine.engine.structured.grammars.compiler()
+        self.encoder = PromptEncoder(tokenizer, settings.tokenizer_threads)
         self.capacity = Capacity.of(engine.engine)
         self.character_bound = CharacterBound.of(engine.engine.tokenizer)
         self.waiting_token_limit = settings.max_waiting_tokens or kv_token_slots(engine)

@@ -9,9 +9,10 @@ name. Exactly one of its kinds is set:
 - ``choice``: the output is one of the strings, exactly;
 - ``grammar``: the output is a sentence of the EBNF grammar (GBNF's syntax, start rule ``root``).
 
-``disable_any_whitespace`` makes JSON compact (no whitespace between tokens of JSON) instead of
-allowing any amount of it. The grammar engine (xgrammar) compiles the spec once per distinct spec
-(`grammars.GrammarCache`); a spec it cannot compile is a `GrammarError` naming the kind.
+``disable_any_whitespace`` writes JSON in one layout (``", "`` and ``": "`` between items, no other
+whitespace, as Python's ``json.dumps``) instead of allowing any whitespace between its tokens.
+The grammar engine (xgrammar) compiles the spec once per distinct spec (`grammars.GrammarCache`);
+a spec it cannot compile is a `GrammarError` naming the kind.
 """
 
 from __future__ import annotations
