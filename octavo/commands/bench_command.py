@@ -9,6 +9,7 @@ import statistics
 import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
+from octavo.bench.structured import constrained_params, unconstrained_twins, validity
 from octavo.bench.workloads import get_workload, workload_from_file
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
 from octavo.errors import OctavoError
@@ -23,10 +24,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompts-from", metavar="FILE", default=None,
                         help="run these requests instead of --workload: a JSON list of {\"prompt_token_ids\": "
                         "[...], \"max_tokens\": N}, as the side-by-side harness of other engines writes it")
-    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool", "no-speculation"], default=None,
+    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool", "no-speculation", "unconstrained"],
+                        default=None,
                         help="also run a baseline in this process and print the ratio: Hugging Face generate, "
-                        "the engine without prefix caching, with a pool that holds every request, or without "
-                        "speculative decoding")
+                        "the engine without prefix caching, with a pool that holds every request, without "
+                        "speculative decoding, or (a workload with a schema) the same requests unconstrained, "
+                        "each generating as many tokens as its constrained twin")
     parser.add_argument("--vs-artifact", metavar="DIR", default=None,
                         help="also run the workload on this second artifact (e.g. compiled with --disable-pass) "
                         "in this process and print the ratio")
@@ -36,7 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of a workload, split one decode step at 1 and at 64 sequences and one "
                         "512-token prefill into scheduling, input building, model (linears, attention, other "
-                        "kernels, dispatch), sampling and detokenization")
+                        "kernels, dispatch), sampling and detokenization; with --workload json_schema also a "
+                        "64-sequence decode step under that schema (its grammar phase: waiting for the masks)")
     parser.add_argument("--server", metavar="URL", help="benchmark a running `octavo serve` (or any OpenAI-compatible "
                         "server) online: streaming requests with Poisson arrivals")
     parser.add_argument("--rate", type=float, default=float("inf"), help="with --server: requests/s (default inf)")
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.vs == "no-speculation" and config.speculative is None:
         raise OctavoError("--vs no-speculation compares against speculative decoding: add --speculative SPEC")
+    if args.vs == "unconstrained" and workload.schema_file is None:
+        raise OctavoError("--vs unconstrained compares against structured output: use a workload with a schema "
+                          "(--workload json_schema)")
     if config.num_threads is None and config.world_size == 1:  # parallel ranks share the cores out themselves
         config.num_threads = 2
     if config.num_threads:
@@ -72,15 +79,22 @@ def run(args: argparse.Namespace) -> int:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
     engine = LLMEngine(artifact, config)
     if args.profile:
-        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
+        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])), workload.schema())
     prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
+    params = constrained_params(workload, len(prompts))
     console.print(f"workload {workload.name}: {workload.description} "
                   f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
                   f"backend {engine.backend}, "
                   f"KV pool {engine.block_manager.num_blocks} blocks = "
                   f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
-    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts, params)
+    if params is not None:
+        octavo_result.extra["structured"] = validity(workload, octavo_tokens, engine.tokenizer)
     console.print(octavo_result.line(), markup=False)
+    if args.vs == "unconstrained":
+        baseline = LLMEngine(artifact, config)
+        _compare("unconstrained", baseline, workload, prompts, octavo_result, octavo_tokens,
+                 unconstrained_twins(octavo_tokens))
     if args.vs in ("no-prefix-caching", "full-pool", "no-speculation"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
                                 octavo_tokens)
@@ -111,8 +125,8 @@ def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> N
     _compare(f"octavo[{path}]", LLMEngine(load_artifact(path), config), workload, prompts, result, tokens)
 
 
-def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:
-    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens, params=None) -> None:
+    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts, params)
     baseline_result.engine = name
     console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
@@ -126,14 +140,16 @@ def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) 
                   f"identical greedy outputs {same}/{len(prompts)}", markup=False)
 
 
-def _run_profile(engine: LLMEngine, config, special: set[int]) -> int:
+def _run_profile(engine: LLMEngine, config, special: set[int], schema: dict | None) -> int:
     from octavo.bench.profile import format_profiles, profile_engine
+    from octavo.runtime.structured import StructuredOutputs
 
     console.print(f"profile of {engine.artifact.path} ({config.num_threads} threads, {engine.device}, "
                   f"backend {engine.backend}, executor {engine.executor_kind}); phases are medians of "
                   "unprofiled steps, the model split comes from one step under torch.profiler")
     vocab_ids = [token for token in range(engine.vocab_size) if token not in special]
-    for line in format_profiles(profile_engine(engine, vocab_ids)):
+    structured = StructuredOutputs(json=schema) if schema is not None else None
+    for line in format_profiles(profile_engine(engine, vocab_ids, structured=structured)):
         console.print(line, markup=False)
     return 0
 
