@@ -232,9 +232,17 @@ class EngineConfig:
     collective_timeout: float = 60.0
     pipeline_depth: int | None = None
     speculative: str | SpeculativeConfig | None = None
+    max_loras: int = 4  # LoRA adapter slots (artifacts compiled with LoRA)
+    lora_modules: tuple[str, ...] = ()  # "name=path" PEFT adapters loaded at start, besides the artifact's own
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules)
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise OctavoError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
+        for entry in self.lora_modules:
+            if not entry.partition("=")[0] or not entry.partition("=")[2]:
+                raise OctavoError(f"--lora-modules takes NAME=PATH (a PEFT adapter directory), got {entry!r}")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.swap_space = parse_memory_size(self.swap_space)
         if self.max_num_seqs < 1:

@@ -15,6 +15,7 @@ import torch
 from octavo.codegen.cpu_backend.precision import slow_dtype_warning
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
+from octavo.ir.lora_format import LoraAdapterError
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.executor import create_executor, resolve_executor
@@ -22,6 +23,7 @@ from octavo.runtime.host_pool import HostBlockPool
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 from octavo.runtime.loader import LoadedArtifact, load_artifact
+from octavo.runtime.lora import LoraManager
 from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
 from octavo.runtime.model_runner import ModelRunner
 from octavo.runtime.output_processor import OutputProcessor
@@ -96,12 +98,18 @@ class LLMEngine:
                 logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
                                "is for single-process engines)")
         else:
-            self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
+            executor = self.config.executor
+            if manifest.get("lora") and resolve_executor(executor) == "compiled":
+                logger.warning("this artifact has LoRA ops: its graph runs with the eager executor")
+                executor = "eager"
+            self.executor = create_executor(self.artifact, self.backend, self.device, executor,
                                             activation_dtype=getattr(torch, manifest["dtype"]))
+        self.lora = self._lora_manager(manifest)
         executor_kind = getattr(self.executor, "kind", "eager")
         cuda_graphs = (self.device.type == "cuda" and self.parallel is None
                        and resolve_executor(self.config.executor) != "eager")
-        self.runner = ModelRunner(self.executor, self.kv_cache.tensors, self.config.max_num_seqs,
+        bound = {**self.kv_cache.tensors, **(self.lora.tensors if self.lora is not None else {})}
+        self.runner = ModelRunner(self.executor, bound, self.config.max_num_seqs,
                                   -(-self.max_model_len // layout["block_size"]), self.device,
                                   pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
         self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
@@ -128,6 +136,38 @@ class LLMEngine:
                     "on" if self.config.enable_prefix_caching else "off", self.config.preemption_mode,
                     num_host_blocks)
 
+    def _lora_manager(self, manifest: dict) -> LoraManager | None:
+        """The adapter slots of an artifact compiled with LoRA, with its own and `lora_modules`' adapters loaded."""
+        layout = manifest.get("lora")
+        if not layout:
+            if self.config.lora_modules:
+                raise OctavoError("--lora-modules needs an artifact compiled with LoRA (octavo compile --lora "
+                                  "NAME=PATH, or --lora-targets with --max-lora-rank)")
+            return None
+        if self.config.world_size > 1:
+            raise OctavoError("LoRA adapters run on a single-process engine (not with tensor or pipeline parallelism)")
+        manager = LoraManager(layout, self.config.max_loras, getattr(torch, manifest["dtype"]), self.device)
+        for entry in [*(f"{name}={path}" for name, path in layout.get("adapters", {}).items()),
+                      *self.config.lora_modules]:
+            name, _, path = entry.partition("=")
+            manager.load(name, path)
+        return manager
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter under `name` (LoraAdapterError, one line, when it cannot be served)."""
+        if self.lora is None:
+            raise LoraAdapterError("this artifact was compiled without LoRA: it cannot load adapters")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free an adapter's slot; refused while requests run under it."""
+        if self.lora is None:
+            raise LoraAdapterError("this artifact was compiled without LoRA: it has no adapters")
+        users = sum(1 for request in self.requests.values() for seq in request.sequences if seq.lora_name == name)
+        if users:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is in use by {users} running sequence(s)")
+        self.lora.unload(name)
+
     def _max_model_len(self, manifest: dict) -> int:
         limit = manifest["max_model_len"]
         requested = self.config.max_model_len
@@ -151,8 +191,10 @@ class LLMEngine:
     # ---- requests ----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0, lora: str | None = None) -> Request:
         """Queue a request (text or token ids). Invalid requests raise RequestError and change nothing.
+
+        `lora` names a loaded LoRA adapter the request runs under (None: the base model).
 
         With n > 1, sample 0 computes the prompt; the other samples are forked
         from it (sharing its blocks) when its first token is sampled.
@@ -163,10 +205,14 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if lora is not None:
+            if self.lora is None:
+                raise RequestError(f"unknown LoRA adapter {lora!r}: this artifact was compiled without LoRA")
+            self.lora.slot_of(lora)
         grammar = self.structured.start(params.structured) if params.structured is not None else None
         request = Request(request_id, text, token_ids, params, priority=priority)
         seq = Sequence(request_id, 0, token_ids, params, self._detokenizer(token_ids, params),
-                       generator=_generator(params, 0), priority=priority, grammar=grammar)
+                       generator=_generator(params, 0), priority=priority, grammar=grammar, lora_name=lora)
         request.sequences.append(seq)
         self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -237,6 +283,8 @@ class LLMEngine:
         with self.phases.time("inputs"):
             inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
             feed = self.runner.prepare(inputs)
+            if self.lora is not None:
+                feed.tensors[self.lora.token_slots_input] = self.lora.token_slots(schedule.scheduled, self.device)
         pending_mask = self.structured.submit_step(schedule, inputs)
         try:
             with self.phases.time("model"):
