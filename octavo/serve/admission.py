@@ -112,13 +112,13 @@ def fit_max_tokens(capacity: Capacity, num_prompt_tokens: int, max_tokens: int |
 
 
 def add_prompts(engine: LLMEngine, request_ids: list[str], encoded: list[EncodedPrompt], params: SamplingParams,
-                limits: list[int]) -> list[AddedPrompt]:
+                limits: list[int], lora: str | None = None) -> list[AddedPrompt]:
     """Add every prompt (on the engine thread), or none: on an error the ones added are aborted."""
     added: list[AddedPrompt] = []
     try:
         for request_id, prompt, max_tokens in zip(request_ids, encoded, limits, strict=True):
             request_params = params if max_tokens == params.max_tokens else params.clone(max_tokens=max_tokens)
-            engine.add_request(prompt.token_ids, request_params, request_id=request_id)
+            engine.add_request(prompt.token_ids, request_params, request_id=request_id, lora=lora)
             added.append(AddedPrompt(request_id, prompt.prompt_text, prompt.token_ids, prompt.first_token_text))
     except BaseException:
         for item in added:

@@ -35,7 +35,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     context: ServerContext = request.app.state.context
-    context.check_model(body.model)
+    lora = context.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -65,7 +65,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                             add_special_tokens=body.add_special_tokens,
                             template_kwargs=body.chat_template_kwargs)]
 
-    generation = await context.admit(1, params, encode, arrival, prompt_field="messages")
+    generation = await context.admit(1, params, encode, arrival, prompt_field="messages", lora=lora)
     writer = ChatWriter(context, generation, body, num_top, plan)
     return await respond(request, generation, bool(body.stream), writer.chunks,
                          lambda finals: writer.response(finals[0]))
@@ -81,7 +81,7 @@ class ChatWriter:
         self._tool_streams: dict[int, ToolCallStream] = {}
         self.id = f"chatcmpl-{generation.base_id}"
         self.created = int(time.time())
-        self.model = context.settings.model_name
+        self.model = body.model or context.settings.model_name
         self.num_top = num_top
         self.include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         self._started: set[int] = set()

@@ -30,7 +30,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     context: ServerContext = request.app.state.context
-    context.check_model(body.model)
+    lora = context.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     # echo with logprobs scores the prompt too (vLLM's prompt_logprobs).
@@ -50,7 +50,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return [encode_prompt(tokenizer, prompt, body.echo, body.add_special_tokens) for prompt in prompts]
 
     await compile_structure(context, structure)
-    generation = await context.admit(len(prompts), params, encode, arrival)
+    generation = await context.admit(len(prompts), params, encode, arrival, lora=lora)
     writer = CompletionWriter(context, generation, body, params.n)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
@@ -62,7 +62,7 @@ class CompletionWriter:
         self.generation = generation
         self.id = f"cmpl-{generation.base_id}"
         self.created = int(time.time())
-        self.model = context.settings.model_name
+        self.model = body.model or context.settings.model_name
         self.n = n
         self.num_top = body.logprobs
         self.echo = body.echo

@@ -74,11 +74,16 @@ class ServerContext:
         self.pending_tokens = 0  # their tokens, once tokenized
         self.created = int(time.time())
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent or the served model's name."""
-        if model is not None and model != self.settings.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.settings.model_name}`.", "not_found_error", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, or no model given); 404 for another name."""
+        if model is None or model == self.settings.model_name:
+            return None
+        lora = self.engine.engine.lora
+        if lora is not None and model in lora.slots:
+            return model
+        adapters = f" and the LoRA adapters {', '.join(sorted(lora.slots))}" if lora is not None and lora.slots else ""
+        raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                            f"`{self.settings.model_name}`{adapters}.", "not_found_error", "model", "model_not_found")
 
     def check_accepting(self, num_requests: int) -> None:
         """503 (with Retry-After) while shutting down, without an engine, or when the queue is full."""
@@ -101,8 +106,9 @@ class ServerContext:
                                     f"(--max-waiting-tokens); retry later", code="queue_full")
 
     async def admit(self, num_requests: int, params: SamplingParams, encode: EncodeFunction, arrival: float,
-                    prompt_field: str = "prompt") -> Generation:
-        """Tokenize with `encode(tokenizer)` off the engine thread, check, and add `num_requests` requests."""
+                    prompt_field: str = "prompt", lora: str | None = None) -> Generation:
+        """Tokenize with `encode(tokenizer)` off the engine thread, check, and add `num_requests` requests
+        (under the LoRA adapter `lora`, None for the base model)."""
         self.check_accepting(num_requests)
         self.num_pending += num_requests
         try:
@@ -113,20 +119,21 @@ class ServerContext:
             self.check_waiting_tokens(num_tokens)
             self.pending_tokens += num_tokens
             try:
-                return await self._add(encoded, params, limits, arrival)
+                return await self._add(encoded, params, limits, arrival, lora)
             finally:
                 self.pending_tokens -= num_tokens
         finally:
             self.num_pending -= num_requests
 
     async def _add(self, encoded: list[EncodedPrompt], params: SamplingParams, limits: list[int],
-                   arrival: float) -> Generation:
+                   arrival: float, lora: str | None) -> Generation:
         base = uuid.uuid4().hex
         request_ids = [f"{base}-{index}" for index in range(len(encoded))]
         observer = RequestObserver(self.metrics, arrival, params.n, len(request_ids))
         stream = self.engine.open_stream(request_ids, observer.observe)
         try:
-            added = await self.engine.call(lambda engine: add_prompts(engine, request_ids, encoded, params, limits))
+            added = await self.engine.call(lambda engine: add_prompts(engine, request_ids, encoded, params, limits,
+                                                                      lora))
         except BaseException:
             self.engine.discard_stream(stream)
             self.engine.abort(request_ids)  # cancelled while being added: nobody will read them

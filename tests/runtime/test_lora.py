@@ -24,42 +24,8 @@ PROMPTS = [[31, 414, 2768, 314, 99, 5012], [1267, 12, 7, 99, 5012, 8, 77, 3050, 
 MAX_TOKENS = 8
 
 
-def build_adapter(model_dir, path, targets: list[str], rank: int, seed: int):
-    """A PEFT adapter of the tiny llama with random (not zero) factors, saved as PEFT saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:
-                parameter.normal_(0.0, 0.2)
-    peft_model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory):
-    root, model_dir = tmp_path_factory.mktemp("lora"), tiny_model_dir("llama")
-    return {"a": build_adapter(model_dir, root / "a", ["q_proj", "v_proj", "down_proj"], 4, 1),
-            "b": build_adapter(model_dir, root / "b", ["k_proj", "gate_proj", "o_proj"], 8, 2),
-            "c": build_adapter(model_dir, root / "c", ["q_proj", "up_proj"], 2, 3),
-            "wide": build_adapter(model_dir, root / "wide", ["q_proj"], 16, 4)}
-
-
-@pytest.fixture(scope="module")
-def lora_artifact(tiny_model_dir, adapters, tmp_path_factory):
-    """The tiny llama compiled with adapters a and b (targets: their union, rank: 8), serving up_proj too."""
-    config = CompileConfig(dtype="float32", lora_adapters=(f"a={adapters['a']}", f"b={adapters['b']}"),
-                           lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                         "down_proj"), max_lora_rank=8)
-    return compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-artifact") / "artifact", config)
-
-
-@pytest.fixture(scope="module")
-def merged_outputs(tiny_model_dir, adapters):
+def merged_outputs(tiny_model_dir, lora_adapters):
     """Hugging Face greedy tokens of each prompt, per adapter merged into the weights (None: the base model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -69,7 +35,7 @@ def merged_outputs(tiny_model_dir, adapters):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32,
                                                      attn_implementation="eager")
         if name is not None:
-            model = PeftModel.from_pretrained(model, adapters[name]).merge_and_unload()
+            model = PeftModel.from_pretrained(model, lora_adapters[name]).merge_and_unload()
         for index, prompt in enumerate(PROMPTS):
             generated = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
             outputs[name, index] = generated[0, len(prompt):].tolist()
@@ -85,46 +51,46 @@ def run(engine, requests: list[tuple[str | None, int]]) -> list[list[int]]:
     return [finals[str(number)].outputs[0].token_ids for number in range(len(requests))]
 
 
-def test_the_pass_adds_one_lora_op_per_targeted_linear(lora_artifact):
-    manifest = json.loads((lora_artifact / "manifest.json").read_text())
+def test_the_pass_adds_one_lora_op_per_targeted_linear(tiny_lora_artifact):
+    manifest = json.loads((tiny_lora_artifact / "manifest.json").read_text())
     assert manifest["op_histogram"]["octavo.lora"] == 8  # per layer: qkv, o, gate_up, down
     assert manifest["lora"]["max_rank"] == 8 and set(manifest["lora"]["adapters"]) == {"a", "b"}
 
 
-def test_adapters_mixed_in_one_batch_equal_hf_with_each_merged(lora_artifact, merged_outputs):
-    engine = make_engine(lora_artifact, num_kv_blocks=64)
+def test_adapters_mixed_in_one_batch_equal_hf_with_each_merged(tiny_lora_artifact, merged_outputs):
+    engine = make_engine(tiny_lora_artifact, num_kv_blocks=64)
     requests = [(None, 0), ("a", 0), ("b", 0), ("a", 1), (None, 1), ("b", 1), ("a", 0)]
     assert run(engine, requests) == [merged_outputs[request] for request in requests]
 
 
-def test_an_adapter_loaded_at_run_time(lora_artifact, adapters, merged_outputs):
-    engine = make_engine(lora_artifact, num_kv_blocks=64, lora_modules=(f"c={adapters['c']}",))
+def test_an_adapter_loaded_at_run_time(tiny_lora_artifact, lora_adapters, merged_outputs):
+    engine = make_engine(tiny_lora_artifact, num_kv_blocks=64, lora_modules=(f"c={lora_adapters['c']}",))
     assert run(engine, [("c", 0), ("a", 1), ("c", 1)]) == [merged_outputs["c", 0], merged_outputs["a", 1],
                                                            merged_outputs["c", 1]]
     engine.unload_lora("c")
     with pytest.raises(RequestError, match="unknown LoRA adapter 'c'"):
         engine.add_request(PROMPTS[0], SamplingParams(), lora="c")
-    engine.load_lora("c2", str(adapters["c"]))
+    engine.load_lora("c2", str(lora_adapters["c"]))
     assert run(engine, [("c2", 0)]) == [merged_outputs["c", 0]]
 
 
-def test_adapters_the_artifact_cannot_serve_are_refused_in_one_line(lora_artifact, adapters, tiny_model_dir,
+def test_adapters_the_artifact_cannot_serve_are_refused_in_one_line(tiny_lora_artifact, lora_adapters, tiny_model_dir,
                                                                     tmp_path_factory):
-    engine = make_engine(lora_artifact, num_kv_blocks=64, max_loras=3)
+    engine = make_engine(tiny_lora_artifact, num_kv_blocks=64, max_loras=3)
     with pytest.raises(LoraAdapterError, match="rank 16, above this artifact's maximum LoRA rank 8"):
-        engine.load_lora("wide", str(adapters["wide"]))
+        engine.load_lora("wide", str(lora_adapters["wide"]))
     narrow = compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("narrow") / "artifact",
                            CompileConfig(dtype="float32", lora_targets=("q_proj", "v_proj"), max_lora_rank=8))
     with pytest.raises(LoraAdapterError, match=r"targets model\.layers\.0\.mlp\.down_proj, which has no LoRA op"):
-        make_engine(narrow, num_kv_blocks=64).load_lora("a", str(adapters["a"]))
-    engine.load_lora("c", str(adapters["c"]))
+        make_engine(narrow, num_kv_blocks=64).load_lora("a", str(lora_adapters["a"]))
+    engine.load_lora("c", str(lora_adapters["c"]))
     with pytest.raises(LoraAdapterError, match="all 3 slots are in use"):
-        engine.load_lora("c2", str(adapters["c"]))
+        engine.load_lora("c2", str(lora_adapters["c"]))
     with pytest.raises(LoraAdapterError, match="already loaded"):
-        engine.load_lora("a", str(adapters["a"]))
+        engine.load_lora("a", str(lora_adapters["a"]))
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="busy", lora="c")
     with pytest.raises(LoraAdapterError, match="in use by 1 running sequence"):
         engine.unload_lora("c")
     with pytest.raises(LoraAdapterError, match="rank 16, above --max-lora-rank 8"):
         compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("refused") / "artifact",
-                      CompileConfig(dtype="float32", lora_adapters=(f"w={adapters['wide']}",), max_lora_rank=8))
+                      CompileConfig(dtype="float32", lora_adapters=(f"w={lora_adapters['wide']}",), max_lora_rank=8))
