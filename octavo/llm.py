@@ -67,17 +67,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, lora: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order.
+
+        `lora` names a loaded LoRA adapter (an artifact compiled with LoRA; `lora_modules=("name=path",)`).
 
         A prompt is text, a list of token ids, or {"prompt_token_ids": [...]}.
         A request that is invalid (too long, say) does not stop the others:
         its output has `error` set and no completions.
         """
         with self._exclusive("generate"):
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, lora)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, lora: str | None = None) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
@@ -85,7 +87,7 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"generate-{next(self._ids)}"
             order.append(request_id)
-            rejected = self._add(request_id, prompt, params)
+            rejected = self._add(request_id, prompt, params, lora)
             if rejected is not None:
                 outputs[request_id] = rejected
         with tqdm(total=len(order), disable=not use_tqdm, desc="generating", unit="req") as progress:
@@ -149,11 +151,12 @@ class LLM:
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutput | None:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams,
+             lora: str | None = None) -> RequestOutput | None:
         try:
             if isinstance(prompt, dict):
                 prompt = _prompt_of(prompt)
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_request(prompt, params, request_id=request_id, lora=lora)
         except OctavoError as error:
             # Reported to the caller in the output's `error`; a warning here would say it twice.
             logger.info("request %s rejected: %s", request_id, error)
