@@ -74,6 +74,17 @@ def test_an_adapter_loaded_at_run_time(tiny_lora_artifact, lora_adapters, merged
     assert run(engine, [("c2", 0)]) == [merged_outputs["c", 0]]
 
 
+def test_llm_generate_under_an_adapter(tiny_lora_artifact, merged_outputs):
+    from octavo.llm import LLM
+
+    llm = LLM(tiny_lora_artifact, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [output] = llm.generate([PROMPTS[1]], params, lora="b")
+    assert output.outputs[0].token_ids == merged_outputs["b", 1]
+    [rejected] = llm.generate([PROMPTS[1]], params, lora="nope")
+    assert "unknown LoRA adapter 'nope'" in rejected.error
+
+
 def test_adapters_the_artifact_cannot_serve_are_refused_in_one_line(tiny_lora_artifact, lora_adapters, tiny_model_dir,
                                                                     tmp_path_factory):
     engine = make_engine(tiny_lora_artifact, num_kv_blocks=64, max_loras=3)
