@@ -146,6 +146,8 @@ class LLMEngine:
             return None
         if self.config.world_size > 1:
             raise OctavoError("LoRA adapters run on a single-process engine (not with tensor or pipeline parallelism)")
+        if self.config.speculative:
+            raise OctavoError("speculative decoding is not available with LoRA adapters yet")
         manager = LoraManager(layout, self.config.max_loras, getattr(torch, manifest["dtype"]), self.device)
         for entry in [*(f"{name}={path}" for name, path in layout.get("adapters", {}).items()),
                       *self.config.lora_modules]:
