@@ -98,11 +98,7 @@ class LLMEngine:
                 logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
                                "is for single-process engines)")
         else:
-            executor = self.config.executor
-            if manifest.get("lora") and resolve_executor(executor) == "compiled":
-                logger.warning("this artifact has LoRA ops: its graph runs with the eager executor")
-                executor = "eager"
-            self.executor = create_executor(self.artifact, self.backend, self.device, executor,
+            self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
                                             activation_dtype=getattr(torch, manifest["dtype"]))
         self.lora = self._lora_manager(manifest)
         executor_kind = getattr(self.executor, "kind", "eager")
@@ -286,7 +282,8 @@ class LLMEngine:
             inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
             feed = self.runner.prepare(inputs)
             if self.lora is not None:
-                feed.tensors[self.lora.token_slots_input] = self.lora.token_slots(schedule.scheduled, self.device)
+                feed.tensors[self.lora.token_slots_input] = self.lora.token_slots(schedule.scheduled, self.device,
+                                                                                  feed.size)
         pending_mask = self.structured.submit_step(schedule, inputs)
         try:
             with self.phases.time("model"):

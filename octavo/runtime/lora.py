@@ -82,12 +82,15 @@ class LoraManager:
             raise RequestError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
         return self.slots[name]
 
-    def token_slots(self, scheduled, device: torch.device) -> torch.Tensor:
-        """int64 [T]: the slot of every token of the step (its sequence's adapter, -1 for none)."""
+    def token_slots(self, scheduled, device: torch.device, padded_to: int | None = None) -> torch.Tensor:
+        """int64 [T]: the slot of every token of the step (its sequence's adapter, -1 for none); a decode step
+        padded to a ladder size (`padded_to` tokens) gets -1 for its padding."""
         slots: list[int] = []
         for item in scheduled:
             name = item.seq.lora_name
             slots += [self.slots[name] if name is not None else -1] * item.num_new_tokens
+        if padded_to is not None:
+            slots += [-1] * (padded_to - len(slots))
         return torch.tensor(slots, dtype=torch.int64, device=device)
 
     def _clear(self, slot: int) -> None:

@@ -105,3 +105,4 @@ def test_adapters_the_artifact_cannot_serve_are_refused_in_one_line(tiny_lora_ar
     with pytest.raises(LoraAdapterError, match="rank 16, above --max-lora-rank 8"):
         compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("refused") / "artifact",
                       CompileConfig(dtype="float32", lora_adapters=(f"w={lora_adapters['wide']}",), max_lora_rank=8))
+
