@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-pool-fraction", type=float, default=None, metavar="F",
                         help="size the KV pool to F x the blocks the whole workload needs at once (e.g. 0.25)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--lora-mix", type=int, default=0, metavar="K",
+                        help="send the requests under the first K LoRA adapters the engine has loaded, in turn "
+                        "(an artifact compiled with LoRA); compare with --vs-artifact BASE (the model without LoRA)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of a workload, split one decode step at 1 and at 64 sequences and one "
                         "512-token prefill into scheduling, input building, model (linears, attention, other "
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                   f"backend {engine.backend}, "
                   f"KV pool {engine.block_manager.num_blocks} blocks = "
                   f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
-    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts, params)
+    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts, params, _lora_mix(engine, args.lora_mix,
+                                                                                          len(prompts)))
     if params is not None:
         octavo_result.extra["structured"] = validity(workload, octavo_tokens, engine.tokenizer)
     console.print(octavo_result.line(), markup=False)
@@ -108,6 +112,18 @@ def run(args: argparse.Namespace) -> int:
         console.print(f" ratio {workload.name}: octavo/hf output tok/s = {ratio:.2f}x; "
                       f"identical greedy outputs {same}/{len(prompts)}", markup=False)
     return 0
+
+
+def _lora_mix(engine: LLMEngine, count: int, num_requests: int) -> list[str | None] | None:
+    """The adapter of each request: the first `count` loaded adapters in turn (None without --lora-mix)."""
+    if not count:
+        return None
+    loaded = sorted(engine.lora.slots, key=engine.lora.slots.get) if engine.lora is not None else []
+    if len(loaded) < count:
+        raise OctavoError(f"--lora-mix {count} needs {count} loaded LoRA adapters; the engine has {len(loaded)} "
+                          "(octavo compile --lora, or --lora-modules)")
+    console.print(f"requests under the LoRA adapters {', '.join(loaded[:count])} in turn")
+    return [loaded[index % count] for index in range(num_requests)]
 
 
 def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, workload, prompts,
