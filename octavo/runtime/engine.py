@@ -37,6 +37,7 @@ from octavo.runtime.spec_decode.speculator import build_speculator
 from octavo.runtime.step_phases import StepPhases
 from octavo.runtime.structured.manager import StructuredOutputManager
 from octavo.runtime.structured.masks import StepMask
+from octavo.runtime.warmup import warm_up, warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,10 @@ class LLMEngine:
         self.device = resolve_device(self.config.device)
         self.backend = resolve_backend(self.config.backend, self.device)
         if self.backend == "triton":
-            from octavo.codegen.triton_backend.availability import check_triton_kv_layout
+            from octavo.codegen.triton_backend.availability import check_triton_kv_layout, use_octavo_triton_cache
 
             check_triton_kv_layout(manifest["kv_layout"])
+            use_octavo_triton_cache()
         if self.device.type == "cpu" and (slow := slow_dtype_warning(manifest["dtype"])):
             logger.warning(slow)
         self.tokenizer = self.artifact.tokenizer
@@ -102,13 +104,19 @@ class LLMEngine:
                                             activation_dtype=getattr(torch, manifest["dtype"]))
         self.lora = self._lora_manager(manifest)
         executor_kind = getattr(self.executor, "kind", "eager")
-        cuda_graphs = (self.device.type == "cuda" and self.parallel is None
+        # LoRA's token slots are no persistent buffer of the captured graphs (yet): such artifacts run uncaptured.
+        cuda_graphs = (self.device.type == "cuda" and self.parallel is None and self.lora is None
                        and resolve_executor(self.config.executor) != "eager")
         bound = {**self.kv_cache.tensors, **(self.lora.tensors if self.lora is not None else {})}
         self.runner = ModelRunner(self.executor, bound, self.config.max_num_seqs,
                                   -(-self.max_model_len // layout["block_size"]), self.device,
                                   pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
         self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
+        self.warmup_seconds = 0.0
+        if cuda_graphs:
+            steps = warmup_steps(self.runner.buffers.ladder, self.config.max_num_batched_tokens,
+                                 self.config.max_num_seqs, self.max_model_len, layout["block_size"])
+            self.warmup_seconds = warm_up(self.runner, steps, layout["block_size"])
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
             from octavo.runtime.distributed.pipelined_steps import PipelinedSteps

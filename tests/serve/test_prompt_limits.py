@@ -35,8 +35,10 @@ def test_the_bundled_tokenizer_bound_comes_from_its_vocabulary(tokenizer, bound)
     longest = max(tokenizer.get_vocab(), key=len)
     assert bound.max_chars_per_token == len(longest) == 81
     assert tokenizer.encode("\n" + " " * 80) == [tokenizer.get_vocab()[longest]]  # one token, 81 characters
-    for char in bound.droppable:  # what the bound treats as dropped really is
-        assert tokenizer.encode(char * 5) == []
+    for char in bound.droppable:  # what the bound counts as no token gives none, or one unknown token for the run
+        # (transformers' GGUF converter drops such bytes in some releases and maps them to <unk> in others, 5.17):
+        # either way the bound's count stays below the real one.
+        assert tokenizer.encode(char * 5) in ([], [tokenizer.unk_token_id])
     assert tokenizer.encode("a") != []
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
+from octavo.cache_dir import cache_root
 from octavo.errors import OctavoError
 
 INTERPRET_ENV = "TRITON_INTERPRET"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 _TRUE_VALUES = ("1", "true", "on", "yes")
 
 
@@ -30,6 +33,17 @@ def check_triton_backend(device: torch.device) -> None:
         return
     raise OctavoError(f"backend triton needs a CUDA device, got {device.type}; use --backend torch on CPU "
                       f"({INTERPRET_ENV}=1 runs the Triton kernels in Triton's slow interpreter, for tests)")
+
+
+def use_octavo_triton_cache() -> Path:
+    """Point Triton's compile cache at the Octavo cache dir's ``triton/`` unless TRITON_CACHE_DIR is set.
+
+    Compiled kernels then persist across processes next to the compiled executors and the generated kernel
+    sources (OCTAVO_CACHE_DIR moves them all together), so a second engine start compiles nothing. Triton
+    reads the variable when it compiles, so this takes effect for every kernel not compiled yet.
+    """
+    os.environ.setdefault(TRITON_CACHE_ENV, str(cache_root() / "triton"))
+    return Path(os.environ[TRITON_CACHE_ENV])
 
 
 def rows_per_program(block_columns: int, num_rows: int) -> int:

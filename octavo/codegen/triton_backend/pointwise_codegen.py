@@ -11,7 +11,9 @@ columns, kept as a [BLOCK_R, 1] column that broadcasts over the row.
 
 Every float step is computed in float32 and rounded to the step's own dtype
 (a constexpr the launcher passes, read off torch's type promotion), so a
-bf16 program rounds where the unfused bf16 graph rounds. The source depends
+bf16 program rounds where the unfused bf16 graph rounds (the launcher also
+compiles without multiply-add contraction, which would skip a rounding:
+fused_pointwise.LAUNCH_OPTIONS). The source depends
 on the program only: the same program always gives the same text (and hash).
 """
 
