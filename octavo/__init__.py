@@ -10,6 +10,7 @@ from octavo.config import CompileConfig, EngineConfig
 from octavo.llm import LLM
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured import StructuredOutputs
 from octavo.version import __version__ as __version__
 
 
@@ -26,4 +27,4 @@ def load(path, **engine_options) -> LLM:
 
 
 __all__ = ["LLM", "BeamSearchParams", "CompileConfig", "CompletionOutput", "EngineConfig", "RequestOutput",
-           "SamplingParams", "compile_model", "load"]
+           "SamplingParams", "StructuredOutputs", "compile_model", "load"]

@@ -100,6 +100,7 @@ def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
 def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -> CompileConfig:
     config = resolve_precision(config or CompileConfig())
     scheme_for(config)  # an unknown or not yet available scheme fails before any work
+    resolve_lora(config)
     if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
         config.dump_dir = os.environ[DUMP_DIR_ENV]
     if output_dir is None and config.stop_after is None:
@@ -200,6 +201,39 @@ def input_specs(graph_module, ctx: PassContext) -> dict[str, tuple[torch.dtype, 
     return specs
 
 
+def resolve_lora(config: CompileConfig) -> None:
+    """Targets and rank from the --lora adapters (their union and their largest rank) where not given; an
+    adapter above a given max_lora_rank, or targeting modules outside given lora_targets, is refused."""
+    from octavo.ir.lora_format import LoraAdapterError, read_adapter_config
+
+    targets, rank = set(config.lora_targets), config.max_lora_rank
+    for entry in config.lora_adapters:
+        name, _, path = entry.partition("=")
+        adapter = read_adapter_config(path)
+        modules = adapter.get("target_modules") or []
+        modules = {modules} if isinstance(modules, str) else set(modules)
+        if config.max_lora_rank and adapter["r"] > config.max_lora_rank:
+            raise LoraAdapterError(f"LoRA adapter {name!r} has rank {adapter['r']}, above --max-lora-rank "
+                                   f"{config.max_lora_rank}")
+        if config.lora_targets and not modules <= set(config.lora_targets):
+            raise LoraAdapterError(f"LoRA adapter {name!r} targets {', '.join(sorted(modules - targets))}, "
+                                   f"outside --lora-targets {', '.join(config.lora_targets)}")
+        targets |= modules
+        rank = max(rank, adapter["r"]) if not config.max_lora_rank else rank
+    config.lora_targets, config.max_lora_rank = tuple(sorted(targets)), rank
+    if config.lora_targets and config.max_lora_rank < 1:
+        raise OctavoError("LoRA targets need a rank: give --max-lora-rank or a --lora adapter")
+
+
+def _lora_manifest(config: CompileConfig, ctx: PassContext) -> dict | None:
+    """insert_lora's layout, with the adapters to load at start (name -> absolute path)."""
+    if ctx.lora is None:
+        return None
+    adapters = {entry.partition("=")[0]: str(Path(entry.partition("=")[2]).resolve())
+                for entry in config.lora_adapters}
+    return {**ctx.lora, "adapters": adapters}
+
+
 def _symbolic(dim, names: dict[str, str]) -> str:
     text = format_value(dim, names)
     return text.removeprefix("sym ")
@@ -228,6 +262,7 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "weight_dtype": config.storage_dtype,
         "dtype_choice": config.dtype_choice or "requested",
         "quantization": ctx.quantization,
+        "lora": _lora_manifest(config, ctx),
         "vocab_size": int(model_config.vocab_size),
         "max_model_len": int(getattr(model_config, "max_position_embeddings", 2048)),
         "eos_token_ids": _eos_token_ids(generation, model_source.tokenizer),

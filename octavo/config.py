@@ -55,6 +55,9 @@ class CompileConfig:
     print_ir_after: tuple[str, ...] = ()
     progress: bool = False
     dtype_choice: str | None = None
+    lora_adapters: tuple[str, ...] = ()  # "name=path" of PEFT adapters the artifact serves from the start
+    lora_targets: tuple[str, ...] = ()  # module names (PEFT target_modules) that get an octavo.lora
+    max_lora_rank: int = 0  # the largest adapter rank the artifact takes (0: the largest given adapter's)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
@@ -83,6 +86,12 @@ class CompileConfig:
             raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not {self.quant}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
+        self.lora_adapters, self.lora_targets = tuple(self.lora_adapters), tuple(self.lora_targets)
+        for entry in self.lora_adapters:
+            if "=" not in entry or not entry.partition("=")[0] or not entry.partition("=")[2]:
+                raise OctavoError(f"--lora takes NAME=PATH (a PEFT adapter directory), got {entry!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 0:
+            raise OctavoError(f"max_lora_rank must be an integer >= 0, got {self.max_lora_rank!r}")
 
     def output_key(self) -> dict:
         """The options that decide the artifact's contents (for the manifest and the cache key)."""
@@ -95,6 +104,9 @@ class CompileConfig:
         }
         if self.storage_dtype != self.dtype:  # present only when narrowed (unnarrowed keys stay as they were)
             key["weight_dtype"] = self.storage_dtype
+        if self.lora_targets:  # present only with LoRA (keys of other artifacts stay as they were)
+            key.update(lora_targets=sorted(self.lora_targets), max_lora_rank=self.max_lora_rank,
+                       lora_adapters=sorted(self.lora_adapters))
         return key
 
     @property
@@ -230,9 +242,17 @@ class EngineConfig:
     distributed_executor: str = "auto"
     pipeline_depth: int | None = None
     speculative: str | SpeculativeConfig | None = None
+    max_loras: int = 4  # LoRA adapter slots (artifacts compiled with LoRA)
+    lora_modules: tuple[str, ...] = ()  # "name=path" PEFT adapters loaded at start, besides the artifact's own
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules)
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise OctavoError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
+        for entry in self.lora_modules:
+            if not entry.partition("=")[0] or not entry.partition("=")[2]:
+                raise OctavoError(f"--lora-modules takes NAME=PATH (a PEFT adapter directory), got {entry!r}")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.swap_space = parse_memory_size(self.swap_space)
         if self.max_num_seqs < 1:

@@ -227,3 +227,41 @@ def assert_pool_full(engine) -> None:
     assert manager.num_free_blocks == manager.num_blocks, (
         f"{manager.num_blocks - manager.num_free_blocks} KV blocks leaked")
     assert not engine.has_unfinished_requests()
+
+
+def build_lora_adapter(model_dir: Path, path: Path, targets: list[str], rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter of a tiny model with random (not zero) factors, saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0.0, 0.2)
+    peft_model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """PEFT adapters of the tiny llama: a (rank 4) and b (rank 8) with disjoint targets, c (rank 2), wide (rank 16)."""
+    root, model_dir = tmp_path_factory.mktemp("lora"), tiny_model_dir("llama")
+    return {"a": build_lora_adapter(model_dir, root / "a", ["q_proj", "v_proj", "down_proj"], 4, 1),
+            "b": build_lora_adapter(model_dir, root / "b", ["k_proj", "gate_proj", "o_proj"], 8, 2),
+            "c": build_lora_adapter(model_dir, root / "c", ["q_proj", "up_proj"], 2, 3),
+            "wide": build_lora_adapter(model_dir, root / "wide", ["q_proj"], 16, 4)}
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_artifact(tiny_model_dir, lora_adapters, tmp_path_factory) -> Path:
+    """The tiny llama compiled with adapters a and b, every linear of a layer taking adapters up to rank 8."""
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    config = CompileConfig(dtype="float32", lora_adapters=(f"a={lora_adapters['a']}", f"b={lora_adapters['b']}"),
+                           lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj"), max_lora_rank=8)
+    return compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-artifact") / "artifact", config)

@@ -2,7 +2,11 @@
 
 Three scenarios on the engine as configured: a decode step at 1 sequence, a
 decode step at 64 sequences (contexts spread evenly over 64-640 tokens), and
-one 512-token prefill. For each, the step is split in two ways:
+one 512-token prefill; given a structured-output constraint, also the 64-sequence
+decode step with every sequence under it, whose `grammar` phase is the time the
+step waited for its token masks after the model (they are computed on a worker
+thread while the model runs) and whose `sample` phase includes applying them.
+For each, the step is split in two ways:
 
 - by phase, from wall-clock timers around the engine's own phases (no profiler
   attached, the median over several steps): scheduling, input building, the
@@ -30,8 +34,9 @@ import torch
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.step_phases import PHASE_LABEL_PREFIX
+from octavo.runtime.structured import StructuredOutputs
 
-PHASES = ("schedule", "inputs", "model", "bookkeeping", "sample", "detokenize", "outputs")
+PHASES = ("schedule", "inputs", "model", "grammar", "bookkeeping", "sample", "detokenize", "outputs")
 MODEL_PARTS = ("linears", "attention", "collectives", "other kernels", "graph dispatch")
 CONTEXT_RANGE = (64, 640)
 PREFILL_TOKENS = 512
@@ -65,10 +70,14 @@ class StepProfile:
         return self.step_seconds - self.phase_seconds.get("model", 0.0)
 
 
-def profile_engine(engine: LLMEngine, vocab_ids: list[int], batch_sizes: Iterable[int] = (1, 64)) -> list[StepProfile]:
-    """Run every scenario on `engine` (which must be idle) with prompts drawn from `vocab_ids`."""
+def profile_engine(engine: LLMEngine, vocab_ids: list[int], batch_sizes: Iterable[int] = (1, 64),
+                   structured: StructuredOutputs | None = None) -> list[StepProfile]:
+    """Run every scenario on `engine` (which must be idle) with prompts drawn from `vocab_ids`; with
+    `structured`, also the largest decode batch under that constraint."""
     generator = torch.Generator().manual_seed(0)
     profiles = [_decode_profile(engine, batch, vocab_ids, generator) for batch in batch_sizes]
+    if structured is not None:
+        profiles.append(_decode_profile(engine, max(batch_sizes), vocab_ids, generator, structured))
     profiles.append(_prefill_profile(engine, vocab_ids, generator))
     return profiles
 
@@ -86,18 +95,20 @@ def _draw(vocab_ids: list[int], count: int, generator: torch.Generator) -> list[
     return [vocab_ids[pick] for pick in picks]
 
 
-def _decode_profile(engine: LLMEngine, batch: int, vocab_ids: list[int], generator) -> StepProfile:
+def _decode_profile(engine: LLMEngine, batch: int, vocab_ids: list[int], generator,
+                    structured: StructuredOutputs | None = None) -> StepProfile:
     contexts = decode_contexts(batch)
     # No sequence may finish while the later prompts still prefill (one step per token budget at
     # worst, one per prompt at least), nor during the measured steps: all `batch` decode together.
     prefill_steps = -(-sum(contexts) // engine.config.max_num_batched_tokens) + batch
-    params = SamplingParams(temperature=0.0, ignore_eos=True,
+    params = SamplingParams(temperature=0.0, ignore_eos=True, structured=structured,
                             max_tokens=prefill_steps + WARM_STEPS + MEASURED_STEPS + 2)
     # A prompt of context - 1 tokens: its first decode step attends over `context` tokens.
     requests = [engine.add_request(_draw(vocab_ids, context - 1, generator), params) for context in contexts]
     while any(seq.num_output_tokens == 0 for request in requests for seq in request.sequences):
         engine.step()
-    profile = _measure(engine, f"decode, {batch} sequence{'s' if batch > 1 else ''}", batch)
+    constrained = f", {structured.kind} constrained" if structured is not None else ""
+    profile = _measure(engine, f"decode, {batch} sequence{'s' if batch > 1 else ''}{constrained}", batch)
     decoding = len(engine.last_step.schedule.scheduled)
     if decoding != batch:
         raise RuntimeError(f"the decode profile meant {batch} sequences per step but the last step ran {decoding}")

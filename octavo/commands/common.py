@@ -36,6 +36,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="speculative decoding: ngram:K (prompt lookup) or draft:PATH:K (a draft artifact with "
                        "the same tokenizer) proposes up to K tokens per step; add :fixed to always propose K "
                        "(default: a measured cost model picks K, down to none)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="PEFT LoRA adapters to load at start (an artifact compiled with LoRA); requests pick "
+                       "one by its NAME in the model field")
+    group.add_argument("--max-loras", type=int, default=None, help="LoRA adapter slots (default 4)")
     parallel = parser.add_argument_group("parallel options")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                           help="shard each layer over N ranks (attention heads, MLP columns, vocabulary)")
@@ -78,6 +82,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "rendezvous_timeout": args.rendezvous_timeout,
         "distributed_executor": args.distributed_executor,
         "speculative": args.speculative,
+        "lora_modules": tuple(args.lora_modules) if args.lora_modules else None,
+        "max_loras": args.max_loras,
     }
     options = {key: value for key, value in options.items() if value is not None}
     if args.no_prefix_caching:

@@ -35,6 +35,10 @@ def add_parser(subparsers) -> None:
                              f"{DEFAULT_MAX_BACKLOG})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients send (default: the ARTIFACT argument)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                        help="the format tool calls are read in when tool_choice is auto: hermes (<tool_call>, "
+                        "Hermes and Qwen), llama3_json, mistral ([TOOL_CALLS]); auto (default) picks it from the "
+                        "chat template")
     parser.add_argument("--grace-period", type=float, default=30.0, metavar="S",
                         help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are aborted")
     add_engine_arguments(parser)
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
                               max_request_bytes=args.max_request_bytes, tokenizer_threads=args.tokenizer_threads,
-                              grace_period_s=args.grace_period)
+                              grace_period_s=args.grace_period, tool_call_parser=args.tool_call_parser)
     app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
     error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")

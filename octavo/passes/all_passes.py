@@ -9,6 +9,7 @@ from octavo.passes import (  # noqa: F401
     fuse_qkv,
     fuse_rms_norm,
     fuse_rope,
+    insert_lora,
     match_attention,
     narrow_weights,
     prune_logits,

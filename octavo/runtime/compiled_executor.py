@@ -61,7 +61,7 @@ DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_an
 Inductor to fuse (the rest stay opaque)."""
 
 # Example sizes of the symbolic dimensions, distinct so that no two dimensions look alike while tracing.
-_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7}
+_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7, "max_loras": 9}
 
 
 class CompilationUnavailableError(RuntimeError):
@@ -154,7 +154,7 @@ def export_graph(eager: GraphExecutor, signature: dict) -> torch.export.Exported
 
     seqs = Dim("B", min=1)
     dims = {"T": Dim("T", min=1), "B": seqs, "B + 1": seqs + 1, "max_blocks": Dim("max_blocks", min=1),
-            "N": Dim("N", min=1), "num_blocks": Dim("num_blocks", min=1)}
+            "N": Dim("N", min=1), "num_blocks": Dim("num_blocks", min=1), "max_loras": Dim("max_loras", min=1)}
     graph_module = _decomposed_copy(eager.graph_module)
     inputs = signature["inputs"]
     example, dynamic = [], []

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, error handlers, middleware, and the engine thread's lifetime.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (LoRA adapters, see lora_routes),
 GET /health (200 while the engine runs and the server accepts work, else 503), GET /metrics
 (Prometheus text format), and vLLM's POST /tokenize, POST /detokenize, GET /version.
 """
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo import __version__
-from octavo.serve import chat, completions, tokenize_routes
+from octavo.serve import chat, completions, lora_routes, tokenize_routes
 from octavo.serve.async_engine import AsyncEngine, EngineDeadError
 from octavo.serve.context import ServerContext, ServerSettings
 from octavo.serve.errors import APIError, install_error_handlers
@@ -52,6 +53,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(lora_routes.router)
     _add_service_routes(app, context)
     return app
 
@@ -73,11 +75,13 @@ def _add_service_routes(app: FastAPI, context: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(context)]})
+        return JSONResponse({"object": "list", "data": [_model_card(context), *lora_routes.adapter_cards(context)]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        context.check_model(model)
+        adapter = context.check_model(model)
+        if adapter is not None:
+            return JSONResponse(next(card for card in lora_routes.adapter_cards(context) if card["id"] == adapter))
         return JSONResponse(_model_card(context))
 
 

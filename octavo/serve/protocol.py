@@ -36,6 +36,7 @@ from octavo.serve.request_model import (
     TokenIds,
     valid_unicode_json,
 )
+from octavo.serve.structured import StructuredOutputFields
 
 MAX_LOGPROBS = 20
 """Most alternatives per token in `logprobs` / `top_logprobs` (vLLM's default max_logprobs)."""
@@ -50,8 +51,9 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(NullMeansDefault):
-    """The fields both endpoints share; `SamplingParams` validates their ranges."""
+class SamplingFields(StructuredOutputFields, NullMeansDefault):
+    """The fields both endpoints share; `SamplingParams` validates their ranges. Structured output's fields
+    (`response_format`, `guided_*`, `structured_outputs`) are in `octavo.serve.structured`."""
 
     NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n"})
 
@@ -200,19 +202,6 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(StrictModel):
-    """`{"type": "text"}`: the JSON formats (json_object, json_schema) need guided decoding, which is not served."""
-
-    type: Literal["text"]
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _text_only(cls, kind: Any) -> Any:
-        if isinstance(kind, str) and kind in ("json_object", "json_schema"):
-            raise ValueError(f"{kind!r} needs guided decoding, which this server does not serve; only 'text' is")
-        return kind
-
-
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
@@ -226,7 +215,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # absent: "auto" with tools, else "none" (OpenAI); null: "none" (vLLM)
     parallel_tool_calls: bool | None = None  # accepted; no tool calls are produced to run in parallel

@@ -57,8 +57,8 @@ TokenIds = list[TokenId]
 
 
 UNSERVED_FIELDS = {
-    **dict.fromkeys(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"], "guided decoding"),
+    **dict.fromkeys(["guided_whitespace_pattern", "structural_tag"], "guided decoding the grammar engine here "
+                    "(xgrammar) has not"),
     **dict.fromkeys(["use_beam_search", "best_of", "length_penalty"], "beam search and best-of sampling"),
     "allowed_token_ids": "restricting the vocabulary",
     "bad_words": "banned words",
@@ -89,7 +89,8 @@ class StrictModel(BaseModel):
     def _unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        unknown = [name for name in data if name not in cls.model_fields]
+        known = cls.model_fields.keys() | {field.alias for field in cls.model_fields.values() if field.alias}
+        unknown = [name for name in data if name not in known]
         for name in unknown:
             if isinstance(name, str) and SURROGATE.search(name):  # no text of a request may be invalid
                 raise PydanticCustomError("string_unicode", "a field name that is not valid Unicode")

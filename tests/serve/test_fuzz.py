@@ -72,6 +72,23 @@ SHARED_FIELDS = {
     "min_tokens": small_counts | json_values,
     "user": texts | json_values,
     "unknown_field": json_values,
+    **{  # structured output: every spelling, with schemas, regexes and grammars good and bad
+        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                                                 optional={"json_schema": st.fixed_dictionaries(
+                                                     {"name": texts}, optional={"schema": json_values,
+                                                                                "strict": json_values})})
+        | json_values,
+        "guided_json": st.sampled_from([{"type": "object"}, {"type": "wat"}, {"enum": [1, "a"]}, '{"type": "string"}',
+                                        "{not json"]) | json_values,
+        "guided_regex": st.sampled_from(["[a-z]+", "(ab", "(?=a)", "\\d{2,1}", "a{99999}"]) | texts | json_values,
+        "guided_choice": st.lists(texts, max_size=3) | json_values,
+        "guided_grammar": st.sampled_from(['root ::= "a" | "b"', "root ::= x", "root ::= (", ""]) | texts
+        | json_values,
+        "guided_decoding_backend": st.sampled_from(["xgrammar", "auto", "outlines"]) | json_values,
+        "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                               "disable_any_whitespace", "whitespace_pattern"]),
+                                              json_values, max_size=2) | json_values,
+    },
 }
 COMPLETION_FIELDS = {
     **SHARED_FIELDS,
@@ -89,7 +106,9 @@ tool_calls = st.fixed_dictionaries({"id": texts, "type": st.just("function") | j
 tools = st.fixed_dictionaries({"type": st.just("function") | json_values, "function": st.fixed_dictionaries(
     {"name": st.sampled_from(["get_weather", "", "x" * 65]) | texts},
     optional={"description": texts | json_values,
-              "parameters": st.dictionaries(st.text(any_character, max_size=6), json_values, max_size=3) | json_values,
+              "parameters": st.dictionaries(st.text(any_character, max_size=6), json_values, max_size=3)
+              | st.sampled_from([{"type": "object", "properties": {"city": {"type": "string"}}}, {"type": "wat"}])
+              | json_values,
               "strict": st.booleans() | json_values})})
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | json_values},
@@ -104,7 +123,6 @@ CHAT_FIELDS = {
     "max_completion_tokens": st.one_of(small_counts, st.integers(), json_values),
     "logprobs": st.booleans() | json_values,
     "top_logprobs": st.integers(min_value=-1, max_value=25) | json_values,
-    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}) | json_values,
     "tools": st.lists(tools, max_size=2) | json_values,
     "tool_choice": st.sampled_from(["none", "auto", "required",
                                     {"type": "function", "function": {"name": "get_weather"}}]) | json_values,

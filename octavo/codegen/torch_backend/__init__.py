@@ -17,6 +17,7 @@ from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
 from octavo.codegen.torch_backend.linear import linear_w16
 from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
 from octavo.codegen.torch_backend.rotary import rotary_embedding
+from octavo.ir.ops.lora import lora_reference
 from octavo.ir.quantized_layout import gather_rows_w4, gather_rows_w8
 
 octavo = torch.ops.octavo
@@ -38,6 +39,8 @@ PYTHON_KERNELS = {
     octavo.linear_w4.default: octavo.linear_w4.default,
     octavo.linear_fp8.default: octavo.linear_fp8.default,
     octavo.linear_w16.default: linear_w16,
+    # Segmented LoRA: one pair of GEMMs per adapter present in the batch (the definition is the kernel).
+    octavo.lora.default: lora_reference,
 }
 
 KERNELS = kernel_op_table("octavo_torch", PYTHON_KERNELS)

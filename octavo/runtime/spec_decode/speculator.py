@@ -90,6 +90,10 @@ class Speculator:
         if proposals is None:
             proposals = self.proposer.propose(candidates, counts)
         for seq, proposal, count in zip(candidates, proposals, counts, strict=True):
+            if proposal.draft_probs is None:
+                # A point-mass proposal the grammar forbids would be rejected for sure, and what is then
+                # sampled there is the target's own distribution: stopping before it changes nothing but cost.
+                count = len(self.engine.structured.check_proposals(seq, proposal.token_ids[:count]))
             if count and proposal.token_ids:
                 draft_probs = proposal.draft_probs[:count] if proposal.draft_probs is not None else None
                 self._proposals[seq] = Proposal(proposal.token_ids[:count], draft_probs)
@@ -151,7 +155,9 @@ class Speculator:
             sampling_rows += [SamplingRow(seq.params, seq.prompt_token_ids, output + item.spec_token_ids[:j],
                                           seq.generator) for j in range(len(item.spec_token_ids) + 1)]
         row_logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        distributions = self.engine.sampler.distributions(row_logits, sampling_rows)
+        step_mask = self.engine.step_mask
+        banned = step_mask.select(rows, logits.device) if step_mask is not None else None
+        distributions = self.engine.sampler.distributions(row_logits, sampling_rows, banned)
         greedy = distributions.greedy_token_ids.tolist()
         decisions = []
         offset = 0
