@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from octavo.runtime.structured.formats import exact_formats
 from octavo.runtime.structured.spec import GrammarError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class GrammarCache:
         kind = spec.kind
         try:
             if kind in ("json", "json_object"):
-                return compiler.compile_json_schema(spec.schema_text(), any_whitespace=not spec.disable_any_whitespace,
+                return compiler.compile_json_schema(exact_formats(spec.schema_text()),
+                                                    any_whitespace=not spec.disable_any_whitespace,
                                                     max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
