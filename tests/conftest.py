@@ -20,6 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
+# kernel modules first (compiling an artifact emits kernels): on CPU set it before torch or
+# Octavo is imported here: importing Octavo imports Inductor, which imports triton.language.
+if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 
@@ -27,10 +33,6 @@ from octavo.cache_dir import cache_root
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OCTAVO_EXECUTOR", "eager")
-# @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
-# kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
-if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(2)
 # The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
 # a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).

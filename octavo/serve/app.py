@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo import __version__
+from octavo.errors import WorkerFailedError
 from octavo.serve import chat, completions, lora_routes, tokenize_routes
 from octavo.serve.async_engine import AsyncEngine, EngineDeadError
 from octavo.serve.context import ServerContext, ServerSettings
@@ -46,6 +47,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(error), "service_unavailable", headers={"Retry-After": "1"}).response()
+
+    @app.exception_handler(WorkerFailedError)
+    async def worker_failed(request: Request, error: WorkerFailedError) -> JSONResponse:
+        # A rank died while a command of this request ran on the engine thread (not inside a step).
         return APIError(503, str(error), "service_unavailable", headers={"Retry-After": "1"}).response()
 
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
