@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def test_star_import_binds_every_public_name():
     namespace: dict = {}
-    exec("from octavo import *", namespace)  # noqa: S102 - what a user's `import *` runs
+    exec("from octavo import *", namespace)  # what a user's `import *` runs
     missing = [name for name in octavo.__all__ if name not in namespace]
     assert not missing, f"`from octavo import *` does not bind {missing}"
     expected = {"LLM": LLM, "BeamSearchParams": BeamSearchParams, "CompileConfig": CompileConfig,
