@@ -223,7 +223,7 @@ def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
 
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(3, 96, generator=generator)
-    graph_module, dense = _quantized_graph(0.1 * torch.randn(40, 96, generator=generator))
+    graph_module, dense, _ = _quantized_graph(0.1 * torch.randn(40, 96, generator=generator))
     lower_graph(graph_module, "cpu", torch.float32)
     calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
     native = torch.ops.octavo_cpu
