@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
+from octavo.runtime.weights import load_safetensors_mmap
 from tests.conftest import run_cli
 
 
@@ -29,3 +32,32 @@ def test_inspect_reports_the_quantization(tiny_quantized_artifact):
     assert "float: norm weights, biases, rotary table" in result.stdout
     assert "kv quant int8 cache, one float32 scale per token and kv head" in result.stdout
     assert "+ 8 cache pools" in result.stdout  # 2 layers x (key, value, key scales, value scales)
+
+
+def _held(stdout: str) -> dict[str, float]:
+    """{dtype: MiB} of `inspect --memory`'s "weights held by the kernels" line."""
+    line = next(line for line in stdout.splitlines() if line.startswith("memory   loaded here"))
+    listed = line.split("MiB (", 1)[1].rstrip(")")
+    return {dtype: float(size) for dtype, size in (item.split() for item in listed.split(", "))}
+
+
+def _stored_mib(artifact, dtype: torch.dtype) -> float:
+    tensors = load_safetensors_mmap(artifact / "weights.safetensors")
+    return sum(tensor.nbytes for tensor in tensors.values() if tensor.dtype == dtype) / 2**20
+
+
+def test_inspect_memory_reports_what_the_loaded_kernels_hold(tiny_quantized_artifact):
+    """fp8 weights stay float8 in memory on the cpu backend (its kernels widen them tile by tile); the torch
+    backend widens them at load, to bfloat16 or float32: at least twice their bytes."""
+    artifact = tiny_quantized_artifact("llama", quant="fp8")
+    stored = _stored_mib(artifact, torch.float8_e4m3fn)
+    assert stored > 0
+    native = run_cli("inspect", str(artifact), "--memory", "--backend", "cpu", "--executor", "eager")
+    assert native.returncode == 0, native.stderr
+    assert "(cpu backend, eager executor)" in native.stdout and "resident memory " in native.stdout
+    assert abs(_held(native.stdout)["float8_e4m3fn"] - stored) <= 0.1 + 0.01 * stored
+    widened = run_cli("inspect", str(artifact), "--memory", "--backend", "torch", "--executor", "eager")
+    assert widened.returncode == 0, widened.stderr
+    held = _held(widened.stdout)
+    assert "float8_e4m3fn" not in held
+    assert held.get("bfloat16", 0) + held.get("float32", 0) >= _held(native.stdout).get("float32", 0) + 2 * stored - 0.2
