@@ -8,6 +8,7 @@
 
 from octavo.config import CompileConfig, EngineConfig
 from octavo.llm import LLM
+from octavo.runtime.beam_search import BeamSearchParams
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.structured import StructuredOutputs

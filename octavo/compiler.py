@@ -17,7 +17,8 @@ from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
-from octavo.eval.corpus import calibration_text, text_digest
+from octavo.eval.corpus import text_digest
+from octavo.eval.sources import calibration_text
 from octavo.frontend import load_model, trace
 from octavo.frontend.calibration import collect_linear_inputs
 from octavo.frontend.sources import ModelSource

@@ -5,8 +5,10 @@ subprocesses tests start): the compiled executor AOT-compiles each artifact's gr
 Inductor, ~10 s per tiny artifact and a minute for SmolLM2 on a cold cache, which the many engine
 tests on their many artifacts cannot afford. The compiled executor has dedicated tests that ask for
 it explicitly (an explicit EngineConfig(executor="compiled") overrides the variable), sharing one
-compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py and the
-windowed architecture in tests/test_architectures.py.
+compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py (padding,
+warm starts, quantized artifacts), tests/runtime/test_compiled_executor_features.py (speculative
+decoding, preemption, prefix caching, n > 1, beams: each against the eager engine's tokens) and the
+windowed architecture in tests/test_architectures.py, all on the tiny mistral's one package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`octavo eval`: perplexity of an artifact on a text file or the built-in evaluation text."""
+"""`octavo eval`: perplexity of an artifact on a text file or a built-in evaluation text."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ import json
 from tqdm.auto import tqdm
 
 from octavo.commands.common import add_engine_arguments, console, create_engine, follow_engine
-from octavo.eval.corpus import read_text, text_digest
+from octavo.eval.corpus import text_digest
 from octavo.eval.perplexity import DEFAULT_STRIDE, DEFAULT_WINDOW, perplexity, plan_windows, tokenize_text
+from octavo.eval.sources import BUILTIN_NAMES, read_text
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("eval", help="perplexity of an artifact on a text (same tokens for every artifact "
                                                 "of a model)")
     parser.add_argument("artifact", help="artifact directory")
-    parser.add_argument("--perplexity", required=True, metavar="FILE|default",
-                        help="text or JSONL file (a \"text\" field per line), or `default`: the built-in evaluation "
-                             "text (Python standard library docstrings)")
+    parser.add_argument("--perplexity", required=True, metavar="FILE|NAME",
+                        help="text or JSONL file (a \"text\" field per line), or a built-in text the default "
+                             f"calibration never saw: {', '.join(BUILTIN_NAMES)} (default: the standard library's "
+                             "docstrings; code: its source; reference: the language reference; prose: English "
+                             "prose)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
     parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help="tokens between window starts")
     parser.add_argument("--max-text-tokens", type=int, default=None, metavar="N",
