@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import Dim
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Graph, GraphModule
 
 from octavo.errors import OctavoError
@@ -117,7 +117,10 @@ def _rename_inputs(program: torch.export.ExportedProgram) -> TracedModel:
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            (logits,) = node.args[0]
+            # Buffers the model updates in place (longrope's inv_freq) are outputs too: only the logits stay.
+            kinds = [spec.kind for spec in program.graph_signature.output_specs]
+            (logits,) = [value for value, kind in zip(node.args[0], kinds, strict=True)
+                         if kind == OutputKind.USER_OUTPUT]
             new_graph.output(env[logits])
             continue
         env[node] = new_graph.node_copy(node, lambda n: env[n])

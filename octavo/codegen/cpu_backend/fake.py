@@ -15,7 +15,7 @@ def register_fake_kernels() -> None:
 
     @torch.library.register_fake("octavo_cpu::paged_attention")
     def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-          sliding_window=-1, key_scale_cache=None, value_scale_cache=None):
+          sliding_window=-1, key_scale_cache=None, value_scale_cache=None, soft_cap=0.0):
         return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
     @torch.library.register_fake("octavo_cpu::linear_w16")

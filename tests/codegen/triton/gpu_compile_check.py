@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
                   "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
-FLOAT_SCALARS = {"qk_scale", "eps"}
+FLOAT_SCALARS = {"qk_scale", "eps", "soft_cap"}
 
 
 def signature(kernel, constexprs: dict, data_type: str) -> dict[str, str]:
@@ -64,7 +64,7 @@ def cases():
     generated = fused_pointwise.load_kernel(program)
     step_dtypes = {"STEP0_DTYPE": tl.float32, "STEP1_DTYPE": tl.float32, "STEP2_DTYPE": tl.float32,
                    "STEP3_DTYPE": tl.float32, "STEP4_DTYPE": tl.bfloat16}
-    attention = {"BLOCK_N": 32, "BLOCK_D": 128}
+    attention = {"BLOCK_N": 32, "BLOCK_D": 128, "SOFT_CAP": False}
     return [
         ("kv_cache_write", kv_cache_write._kv_cache_write_kernel, {"BLOCK_T": 2, "BLOCK_H": 8, "BLOCK_D": 128},
          "*bf16"),
@@ -79,7 +79,14 @@ def cases():
          {"BLOCK_M": 64, **attention, "DOT_PRECISION": "ieee", "num_seqs": 1, "group_size": 1}, "*fp32"),
         ("attention_decode bf16, no GQA", attention_decode._decode_attention_kernel,
          {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32", "group_size": 1}, "*bf16"),
-        ("rms_norm (fused add)", norm._rms_norm_kernel, {"ADD_RESIDUAL": True, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        ("attention_decode bf16, soft-capped", attention_decode._decode_attention_kernel,
+         {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32", "SOFT_CAP": True}, "*bf16"),
+        ("attention_prefill bf16, soft-capped", attention_prefill._prefill_attention_kernel,
+         {"BLOCK_M": 64, **attention, "DOT_PRECISION": "tf32", "SOFT_CAP": True}, "*bf16"),
+        ("rms_norm (fused add)", norm._rms_norm_kernel,
+         {"ADD_RESIDUAL": True, "MULTIPLY_IN_FLOAT32": False, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        ("rms_norm (weight in float32)", norm._rms_norm_kernel,
+         {"ADD_RESIDUAL": False, "MULTIPLY_IN_FLOAT32": True, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
         ("rotary", rotary._rotary_kernel, {"BLOCK_R": 32, "BLOCK_HALF": 64}, "*bf16"),
         ("silu_and_mul", activation._gated_activation_kernel, {"ACTIVATION": 0, "BLOCK_R": 2, "BLOCK": 1024},
          "*bf16"),
