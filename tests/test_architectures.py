@@ -10,6 +10,9 @@ difference <= 1e-4, the float32 bound of docs/architecture.md "Numerics"),
 which makes the greedy tokens HF's; one request also scores its prompt
 (prompt_logprobs), whose log probabilities must equal HF's log_softmax.
 
+Mixtures of experts: the experts chosen for every token of a prompt (prefilled in one step) and of the
+decode steps after it are exactly the ones HF's router chooses (test_moe_routing_is_hfs).
+
 bfloat16: a shorter run of the same kind, where each sampled row's logits must
 be as close to the exact (HF float32) logits as HF's own bfloat16 run is, within
 a factor BF16_ERROR_FACTOR: both runs round the same arithmetic to bf16, in other
@@ -28,14 +31,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from octavo.config import EngineConfig
 from octavo.frontend.architectures import architecture_for
+from octavo.ir.ops.moe import route
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
-from tests.tiny_models import NEW_DENSE_FAMILIES, TINY_MODELS, TINY_WINDOW
+from tests.tiny_models import MIXTURES_OF_EXPERTS, NEW_DENSE_FAMILIES, TINY_MODELS, TINY_WINDOW
 
 PROMPT_LENGTHS = [5, 47, 12, 40, 3]
 MAX_TOKENS = [9, 6, 12, 8, 10]
@@ -129,6 +134,52 @@ def check_prompt_logprobs(entries, prompt: list[int], reference) -> None:
         assert abs(entry[token].logprob - row[token].item()) <= FLOAT32_TOLERANCE
         for top_token in row.topk(NUM_TOP).indices.tolist():
             assert abs(entry[top_token].logprob - row[top_token].item()) <= FLOAT32_TOLERANCE
+
+
+class MoeCalls(TorchDispatchMode):
+    """Records the (x, router_weight, top_k, normalize) of every moe kernel the engine runs, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.endswith("::moe"):
+            self.calls.append(tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args[:6]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", MIXTURES_OF_EXPERTS)
+def test_moe_routing_is_hfs(model_type, tiny_model_dir, tiny_artifact):
+    """Octavo's routing (the op's definition applied to the hidden states each moe call receives; the kernels
+    route as the definition does, tests/codegen) picks, for every token and layer, the experts HF picks."""
+    reference = hf_model(tiny_model_dir(model_type), torch.float32)
+    layers = reference.config.num_hidden_layers
+    chosen: dict[int, list] = {layer: [] for layer in range(layers)}
+    hooks = [reference.model.layers[layer].mlp.gate.register_forward_hook(
+        lambda module, inputs, output, layer=layer: chosen[layer].append(output[2]))
+        for layer in range(layers)]
+    engine = LLMEngine(tiny_artifact(model_type), EngineConfig(num_kv_blocks=16, max_num_batched_tokens=64,
+                                                               executor="eager"))
+    prompt = make_prompts()[1]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    recorder = MoeCalls()
+    with recorder:
+        while engine.has_unfinished_requests():
+            engine.step()
+    steps = [recorder.calls[index:index + layers] for index in range(0, len(recorder.calls), layers)]
+    assert len(steps) == 4 and len(steps[0][0][0]) == len(prompt)  # the prompt in one step, then 3 decodes
+    tokens = engine.last_step.schedule.scheduled[0].seq.token_ids
+    with torch.no_grad():
+        reference(torch.tensor([tokens[:len(prompt) + 3]]))
+    for step, calls in enumerate(steps):
+        rows = slice(0, len(prompt)) if step == 0 else slice(len(prompt) + step - 1, len(prompt) + step)
+        for layer, (x, router_weight, _, _, top_k, normalize) in enumerate(calls):
+            _, experts = route(x, router_weight, top_k, normalize, torch.float32)
+            assert torch.equal(experts, chosen[layer][-1][rows]), f"step {step}, layer {layer}"
+    for hook in hooks:
+        hook.remove()
+    assert_pool_full(engine)
 
 
 @pytest.mark.parametrize("model_type", NEW_DENSE_FAMILIES)

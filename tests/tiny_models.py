@@ -94,6 +94,35 @@ def _olmo2(common):
     return Olmo2Config(**common, pad_token_id=0, tie_word_embeddings=False)
 
 
+# Mixtures of experts: 4 experts of intermediate size 32, 2 per token.
+TINY_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def _qwen3_moe(common):
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(**common, **TINY_EXPERTS, head_dim=16, num_experts=4, norm_topk_prob=True,
+                          tie_word_embeddings=False)
+
+
+def _qwen2_moe(common):
+    from transformers import Qwen2MoeConfig
+    # Qwen1.5/2-MoE: unnormalized top-k weights and a shared expert behind a sigmoid gate.
+    return Qwen2MoeConfig(**common, **TINY_EXPERTS, num_experts=4, norm_topk_prob=False,
+                          shared_expert_intermediate_size=64, tie_word_embeddings=False)
+
+
+def _mixtral(common):
+    from transformers import MixtralConfig
+    return MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                         sliding_window=None, tie_word_embeddings=False)
+
+
+def _olmoe(common):
+    from transformers import OlmoeConfig
+    return OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=False, pad_token_id=0, tie_word_embeddings=False)
+
+
 _BUILDERS = {
     "llama": _llama,
     "mistral": _mistral,
@@ -103,11 +132,16 @@ _BUILDERS = {
     "gemma3_text": _gemma3,
     "phi3": _phi3,
     "olmo2": _olmo2,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
 }
 TINY_MODELS = tuple(_BUILDERS)
 """Every model_type the tests build a tiny model of."""
 NEW_DENSE_FAMILIES = ("gemma2", "gemma3_text", "phi3", "olmo2")
 """The dense families whose numerics differ from Llama's (norm order, soft-caps, partial rotary, longrope)."""
+MIXTURES_OF_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def make_tiny_model(model_type: str, seed: int = 0, **overrides):

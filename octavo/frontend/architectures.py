@@ -94,6 +94,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture("phi3", sliding_window=True, fused_projections=True, families="Phi-3, Phi-4-mini"),
     "olmo2": Architecture("olmo2", norm="rms_norm_f32_weight", qk_norm="full", norm_placement="post",
                           families="OLMo 2"),
+    "qwen3_moe": Architecture("qwen3_moe", qk_norm="head", sliding_window=True, mlp="moe",
+                              families="Qwen3-MoE (30B-A3B, 235B-A22B)"),
+    "qwen2_moe": Architecture("qwen2_moe", qkv_bias=True, sliding_window=True, per_layer_attention=True, mlp="moe",
+                              families="Qwen1.5-MoE, Qwen2-MoE"),
+    "mixtral": Architecture("mixtral", sliding_window=True, mlp="moe", families="Mixtral"),
+    "olmoe": Architecture("olmoe", qk_norm="full", mlp="moe", families="OLMoE"),
 }
 
 

@@ -143,7 +143,30 @@ def _mlp_features(config, architecture: Architecture) -> list[ArchitectureFeatur
     gated = None
     if activation != "silu":
         gated = ArchitectureFeature("GELU gated MLP", activation, SUPPORTED_ACTIVATIONS.get(activation, "?"))
-    return [gated]
+    if architecture.mlp != "moe":
+        return [gated]
+    return [gated, *_expert_features(config)]
+
+
+def _expert_features(config) -> list[ArchitectureFeature | None]:
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = config.num_experts_per_tok
+    # Mixtral's router always renormalizes its top-k weights; the others follow norm_topk_prob.
+    normalized = getattr(config, "norm_topk_prob", True)
+    weights = "renormalized" if normalized else "as the softmax gives them"
+    dense = sorted(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    if step > 1:
+        dense = sorted(set(dense) | {layer for layer in range(config.num_hidden_layers) if (layer + 1) % step})
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    return [
+        ArchitectureFeature("mixture of experts", f"{experts} experts, top {top_k}, weights {weights}",
+                            "octavo.moe (router, chosen experts only)"),
+        ArchitectureFeature("shared expert", f"intermediate size {shared}, behind a sigmoid gate",
+                            "a gated MLP (octavo.silu_and_mul) beside octavo.moe") if shared else None,
+        ArchitectureFeature("dense layers among experts", f"layers {_ranges(dense)} have a dense MLP",
+                            "octavo.silu_and_mul") if dense else None,
+    ]
 
 
 def _embedding_features(config, architecture: Architecture) -> list[ArchitectureFeature | None]:

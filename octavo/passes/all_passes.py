@@ -10,6 +10,7 @@ from octavo.passes import (  # noqa: F401
     fuse_rms_norm,
     fuse_rope,
     match_attention,
+    match_moe,
     narrow_weights,
     prune_logits,
     quantize_kv_cache,

@@ -142,3 +142,30 @@ def test_rank_program_round_trips_through_graph_onnx(artifacts):
     assert collectives == [(node.name, node.target, node.args[1:]) for node in program.graph_module.graph.nodes
                            if node.op == "call_function" and "all_" in str(node.target)]
     assert len(collectives) == 2 * LAYERS + 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_experts_split_by_intermediate_columns_compute_the_unsharded_logits(artifacts, model_type):
+    """Qwen2-MoE adds a shared expert (a gated MLP) behind a one-feature sigmoid gate, computed whole on each rank."""
+    assert_layouts_compute_the_same_logits(artifacts(model_type), [(2, 1), (4, 1)])
+
+
+def test_expert_weight_slices_of_a_rank(artifacts):
+    artifact = artifacts("qwen2_moe")
+    program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    stats = program.history[0]["stats"]
+    assert stats["moe_layers"] == LAYERS and stats["mlp_layers"] == LAYERS  # the shared experts
+    gate_up = artifact.weights["model_layers_0_mlp_experts_gate_up_proj"]  # [4 experts, 2 x 32, 64]
+    expected = torch.cat([gate_up[:, 16:32], gate_up[:, 48:64]], dim=1)
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_gate_up_proj"], expected, rtol=0, atol=0)
+    down = artifact.weights["model_layers_0_mlp_experts_down_proj"]  # [4, 64, 32]
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_down_proj"], down[:, :, 16:],
+                               rtol=0, atol=0)
+    router = "model_layers_0_mlp_gate_weight"
+    torch.testing.assert_close(program.weights[router], artifact.weights[router], rtol=0, atol=0)
+
+
+def test_experts_that_do_not_divide_are_named(artifacts):
+    artifact = artifacts("mixtral")  # expert intermediate size 32
+    with pytest.raises(PassError, match="tensor parallel size 3 does not divide"):
+        prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(3, 0))

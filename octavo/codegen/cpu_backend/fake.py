@@ -30,4 +30,9 @@ def register_fake_kernels() -> None:
     def _(x, qweight, scales, offsets, bias, group_size, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("octavo_cpu::moe")
+    def _(x, router_weight, gate_up, down, top_k, normalize, activation="silu", round_weights=True,
+          gate_up_scales=None, gate_up_offsets=None, down_scales=None, down_offsets=None, group_size=0):
+        return torch.empty_like(x)
+
     _registered = True

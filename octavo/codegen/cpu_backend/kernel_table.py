@@ -26,6 +26,7 @@ def build_kernel_table() -> dict:
         octavo.linear_w16.default: native.linear_w16.default,
         octavo.linear_w8.default: native.linear_w8.default,
         octavo.linear_w4.default: native.linear_w4.default,
+        octavo.moe.default: native.moe.default,
     }
 
 

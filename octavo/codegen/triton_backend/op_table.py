@@ -32,4 +32,5 @@ TRITON_OPS: dict[str, TritonOp] = {
     "embedding_w8": TritonOp("quantized_linear", "embedding_w8", ()),
     "embedding_w4": TritonOp("quantized_linear", "embedding_w4", ()),
     "linear_w16": TritonOp("linear_w16", "linear_w16", ()),
+    "moe": TritonOp("moe", "moe", ("moe.py", "activation.py")),
 }

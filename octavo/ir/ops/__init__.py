@@ -6,6 +6,7 @@ from octavo.ir.ops import (  # noqa: F401
     collectives,
     fused_pointwise,
     linear,
+    moe,
     norm,
     quantized_linear,
     rotary,

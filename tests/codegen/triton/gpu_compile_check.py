@@ -25,7 +25,8 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                  "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
+                  "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "sorted_pairs_ptr": "*i32",
+                  "block_experts_ptr": "*i32"}
 FLOAT_SCALARS = {"qk_scale", "eps", "soft_cap"}
 
 
@@ -49,6 +50,7 @@ def cases():
         attention_prefill,
         fused_pointwise,
         kv_cache_write,
+        moe,
         norm,
         rotary,
     )
@@ -65,6 +67,8 @@ def cases():
     step_dtypes = {"STEP0_DTYPE": tl.float32, "STEP1_DTYPE": tl.float32, "STEP2_DTYPE": tl.float32,
                    "STEP3_DTYPE": tl.float32, "STEP4_DTYPE": tl.bfloat16}
     attention = {"BLOCK_N": 32, "BLOCK_D": 128, "SOFT_CAP": False}
+    grouped = {"A_ROWS_ARE_TOKENS": True, "LAYOUT": moe.FLOAT, "MUL_ROUTING": False, "DOT_PRECISION": "tf32",
+               "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}
     return [
         ("kv_cache_write", kv_cache_write._kv_cache_write_kernel, {"BLOCK_T": 2, "BLOCK_H": 8, "BLOCK_D": 128},
          "*bf16"),
@@ -87,6 +91,9 @@ def cases():
          {"ADD_RESIDUAL": True, "MULTIPLY_IN_FLOAT32": False, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
         ("rms_norm (weight in float32)", norm._rms_norm_kernel,
          {"ADD_RESIDUAL": False, "MULTIPLY_IN_FLOAT32": True, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        ("moe grouped gemm (gate/up)", moe._grouped_gemm_kernel, grouped, "*bf16"),
+        ("moe grouped gemm (down, routed)", moe._grouped_gemm_kernel,
+         {**grouped, "A_ROWS_ARE_TOKENS": False, "MUL_ROUTING": True}, "*bf16"),
         ("rotary", rotary._rotary_kernel, {"BLOCK_R": 32, "BLOCK_HALF": 64}, "*bf16"),
         ("silu_and_mul", activation._gated_activation_kernel, {"ACTIVATION": 0, "BLOCK_R": 2, "BLOCK": 1024},
          "*bf16"),
