@@ -54,8 +54,6 @@ def check_supported(config) -> Architecture:
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedArchitectureError(f"{model_type}: use_bidirectional_attention=True is not supported "
                                            "(Octavo compiles causal decoders)")
-    for check in _MODEL_CHECKS.get(model_type, ()):
-        check(config)
     return architecture
 
 
@@ -195,6 +193,3 @@ def _rope_parameters(config) -> list[tuple[str, dict]]:
 def _ranges(indices: list[int]) -> str:
     return ", ".join(map(str, indices)) if len(indices) <= 8 else f"{indices[0]}..{indices[-1]} ({len(indices)})"
 
-
-_MODEL_CHECKS: dict[str, tuple] = {}
-"""Checks of one model_type's config beyond the common ones (filled by the modules of feature families)."""

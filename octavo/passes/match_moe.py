@@ -8,7 +8,7 @@ of it, without bias):
     p = softmax(r (as float32), -1); values, experts = topk(p, k)
     [values = values / values.sum(-1, keepdim=True)]      (norm_topk_prob, Mixtral)
     [values = values.to(x.dtype)]                          (all but Mixtral)
-    ids = experts.view(-1); w = values.view(-1)
+    ids = experts.view(-1) [.clamp(0, E - 1)]; w = values.view(-1)
     h = bmm(W_gate_up[ids], repeat_interleave(x, k, 0).unsqueeze(-1)).squeeze(-1)
     g, u = h.split(I, -1); h = act(g) * u
     o = bmm(W_down[ids], h.unsqueeze(-1)).squeeze(-1) * w.unsqueeze(-1)
@@ -101,13 +101,16 @@ def match_moe_block(topk: Node, ctx: PassContext) -> MoeBlock:
     values, experts = _getitems(topk)
     weights, normalize, cast = _routing_weights(values, topk)
     ids = _single_view_user(experts, topk)
+    clamp = only_user(ids)
+    if is_call(clamp, aten.clamp.default) and clamp.args[1] == 0:  # some releases clamp the (in-range) ids
+        ids = clamp
     gathers = [user for user in ids.users if is_call(user, aten.index.Tensor)]
     if len(gathers) != 2 or any(not is_weight(gather.args[0], ctx) for gather in gathers):
         raise _unmatched(topk, "its expert ids do not gather exactly two stacked weights")
-    first_bmm, second_bmm = (_bmm_of(gather, topk) for gather in gathers)
     order = {node: index for index, node in enumerate(topk.graph.nodes)}
-    if order[first_bmm] > order[second_bmm]:
-        (first_bmm, gathers[0]), (second_bmm, gathers[1]) = (second_bmm, gathers[1]), (first_bmm, gathers[0])
+    # The gate/up projection is the first of the two in graph order, the down projection the second.
+    (first_bmm, gate_up), (second_bmm, down) = sorted(((_bmm_of(gather, topk), gather) for gather in gathers),
+                                                      key=lambda pair: order[pair[0]])
     x = _repeated_input(first_bmm, topk)
     activation = _activation(second_bmm, first_bmm, topk)
     output = _weighted_sum(second_bmm, weights, topk)
@@ -116,7 +119,7 @@ def match_moe_block(topk: Node, ctx: PassContext) -> MoeBlock:
         raise _unmatched(topk, f"its result is {tensor_value(output).dtype}, not the input's {dtype}")
     if not _same_rows(router_logits.args[0], x):
         raise _unmatched(topk, "the router and the experts read different inputs")
-    return MoeBlock(x, router_logits.args[1], gathers[0].args[0], gathers[1].args[0], int(topk.args[1]), normalize,
+    return MoeBlock(x, router_logits.args[1], gate_up.args[0], down.args[0], int(topk.args[1]), normalize,
                     activation, cast or dtype == torch.float32, output)
 
 

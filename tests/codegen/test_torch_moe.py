@@ -14,7 +14,7 @@ from tests.codegen.moe_batches import make_moe_batch, reachable_experts_only
                          [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.float32, "w8", None),
                           (torch.float32, "w8", 32), (torch.bfloat16, "w4", 32)],
                          ids=["fp32", "bf16", "w8-per-channel", "w8-group32", "w4-bf16"])
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 40])
 def test_equals_the_reference_bitwise(dtype, layout, group_size, tokens):
     batch = make_moe_batch(tokens, dtype, layout, group_size, seed=tokens)
     assert reachable_experts_only(batch)
