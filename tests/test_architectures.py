@@ -182,7 +182,7 @@ def test_moe_routing_is_hfs(model_type, tiny_model_dir, tiny_artifact):
     assert_pool_full(engine)
 
 
-@pytest.mark.parametrize("model_type", NEW_DENSE_FAMILIES)
+@pytest.mark.parametrize("model_type", NEW_DENSE_FAMILIES + MIXTURES_OF_EXPERTS)
 def test_bfloat16_logits_as_close_as_hfs(model_type, tiny_model_dir, tiny_quantized_artifact):
     """Each sampled row: |octavo_bf16 - hf_fp32| <= BF16_ERROR_FACTOR * max|hf_bf16 - hf_fp32| (per step).
 
