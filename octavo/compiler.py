@@ -21,6 +21,7 @@ from octavo.eval.corpus import text_digest
 from octavo.eval.sources import calibration_text
 from octavo.frontend import load_model, trace
 from octavo.frontend.calibration import collect_linear_inputs
+from octavo.frontend.features import architecture_features
 from octavo.frontend.sources import ModelSource
 from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import format_value, op_histogram
@@ -258,6 +259,7 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "source": {"name": model_source.name, "kind": model_source.kind, "model_type": model_config.model_type,
                    "checksum_sha256": model_source.checksum, "path": str(model_source.path),
                    "config": model_config.to_dict()},
+        "architecture_features": _features_with_counts(model_config, graph_module),
         "compile_options": config.output_key(),
         "dtype": config.dtype,
         "weight_dtype": config.storage_dtype,
@@ -281,6 +283,16 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "layers": layer_summary(graph_module),
         "compile_timings": {key: round(value, 3) for key, value in timings.items()},
     }
+
+
+def _features_with_counts(model_config, graph_module) -> list[dict]:
+    """architecture_features of the model, each with how many nodes of the octavo ops it names the graph has."""
+    histogram = op_histogram(graph_module)
+    features = []
+    for feature in architecture_features(model_config):
+        ops = {name for name in histogram if name.startswith("octavo.") and name in feature.ops.split("(")[0]}
+        features.append({**feature.as_dict(), "nodes": sum(histogram[name] for name in ops)})
+    return features
 
 
 def _eos_token_ids(generation_config, tokenizer) -> list[int]:

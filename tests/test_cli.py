@@ -98,7 +98,8 @@ def test_compile_writes_one_dump_per_pass_in_pipeline_order(smollm2_fp32_compile
         assert diff[:2] == [f"--- {previous}\n", f"+++ {stem}\n"]
         assert apply_unified_diff(before, diff[2:]) == after, f"{stem}.diff does not turn {previous} into {stem}"
         applied += 1
-    assert applied >= len(pipeline) - 1, "every pass but fuse_pointwise rewrites the bundled model"
+    # fuse_pointwise and match_moe (SmolLM2 has no experts) leave the bundled model as they find it.
+    assert applied >= len(pipeline) - 2, "every pass but fuse_pointwise and match_moe rewrites the bundled model"
     attention = json.loads((run.dump_dir / "02-match_attention.json").read_text())
     assert attention["name"] == "match_attention" and attention["stats"]["replaced_sdpa"] == 30
     assert json.loads((run.dump_dir / f"{stems[-1]}.json").read_text())["node_count"] == manifest["node_count"]

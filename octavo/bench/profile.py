@@ -18,8 +18,12 @@ For each, the step is split in two ways:
   waits for the slowest rank included), other kernels (norms, RoPE,
   activations, fused pointwise groups, embedding, views), and graph dispatch:
   the model's time outside any op, which is the Python (or compiled wrapper)
-  code that calls the ops. The profiler adds a few
-  microseconds per op, so these figures are read as shares, not absolutes.
+  code that calls the ops; a mixture of experts' op is split by the ranges its
+  kernel records into moe routing (router linear, softmax, top-k), moe
+  permutation (sorting the token-expert pairs by expert, gathering rows,
+  summing the weighted results) and moe experts (the chosen experts' GEMMs).
+  The profiler adds a few microseconds per op, so these figures are read as
+  shares, not absolutes.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from octavo.runtime.step_phases import PHASE_LABEL_PREFIX
 from octavo.runtime.structured import StructuredOutputs
 
 PHASES = ("schedule", "inputs", "model", "grammar", "bookkeeping", "sample", "detokenize", "outputs")
-MODEL_PARTS = ("linears", "attention", "collectives", "other kernels", "graph dispatch")
+MODEL_PARTS = ("linears", "attention", "collectives", "moe routing", "moe permutation", "moe experts",
+               "other kernels", "graph dispatch")
+# The ranges a moe kernel records inside its op (octavo_cpu::moe_routing, octavo_torch::moe_experts, ...).
+MOE_RANGES = {"moe_routing": "moe routing", "moe_permutation": "moe permutation", "moe_experts": "moe experts"}
 CONTEXT_RANGE = (64, 640)
 PREFILL_TOKENS = 512
 MEASURED_STEPS = 5
@@ -171,9 +178,31 @@ def split_model_time(events) -> tuple[dict[str, float], float]:
             parent = parent.cpu_parent
         if parent is None or parent.name != label:
             continue
+        if _is_moe(event.name):
+            _split_moe(event, parts)
+            continue
         parts[_kind(event.name)] += event.cpu_time_total / 1e6
     parts["graph dispatch"] = max(0.0, total - sum(parts.values()))
     return parts, total
+
+
+def _is_moe(name: str) -> bool:
+    return name.endswith("::moe")
+
+
+def _split_moe(event, parts: dict[str, float]) -> None:
+    """A moe op's time by the ranges its kernel recorded (nested ones included); the rest is permutation."""
+    recorded = 0.0
+    stack = list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        part = MOE_RANGES.get(child.name.rsplit("::", 1)[-1])
+        if part is None:
+            stack.extend(child.cpu_children)
+            continue
+        parts[part] += child.cpu_time_total / 1e6
+        recorded += child.cpu_time_total / 1e6
+    parts["moe permutation"] += max(0.0, event.cpu_time_total / 1e6 - recorded)
 
 
 def _is_wrapper(name: str) -> bool:
@@ -205,5 +234,6 @@ def format_profiles(profiles: list[StepProfile]) -> list[str]:
         if model:
             lines.append(f"  model under torch.profiler {model * 1e3:.1f} ms: " + ", ".join(
                 f"{part} {seconds * 1e3:.2f} ms ({seconds / model:.1%})"
-                for part, seconds in profile.model_parts.items() if seconds or part != "collectives"))
+                for part, seconds in profile.model_parts.items()
+                if seconds or not (part == "collectives" or part.startswith("moe"))))
     return lines

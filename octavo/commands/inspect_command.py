@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"inputs   {inputs} + {pools} cache pools")
     console.print(f"weights  {signature['num_weights']} tensors, {signature['weight_bytes'] / 2**20:.1f} MiB")
     console.print(f"graph    {manifest['node_count']} nodes")
+    _print_features(manifest.get("architecture_features") or [])
     console.print(_ops_table(manifest["op_histogram"], args.all_ops))
     if manifest.get("layers"):
         _print_layers(manifest["layers"])
@@ -123,6 +124,14 @@ def _print_memory(report: dict) -> None:
     if report["compiled_now"]:
         console.print("         (the graph was compiled just now, whose memory this includes: run again for a warm "
                       "start's figure)", markup=False)
+
+
+def _print_features(features: list[dict]) -> None:
+    """The architecture's features (beyond a plain Llama) and the ops they became, with their node counts."""
+    for index, feature in enumerate(features):
+        nodes = f" ({feature['nodes']} nodes)" if feature.get("nodes") else ""
+        console.print(f"{'features' if index == 0 else '':<8} {feature['name']}: {feature['detail']} -> "
+                      f"{feature['ops']}{nodes}", markup=False)
 
 
 def _calibration_text(calibration: dict | None) -> str:

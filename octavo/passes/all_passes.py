@@ -11,6 +11,7 @@ from octavo.passes import (  # noqa: F401
     fuse_rope,
     insert_lora,
     match_attention,
+    match_moe,
     narrow_weights,
     prune_logits,
     quantize_kv_cache,

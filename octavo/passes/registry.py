@@ -25,7 +25,7 @@ class PassInfo:
 PASSES: dict[str, PassInfo] = {}
 
 PIPELINES: dict[str, list[str]] = {
-    "default": ["canonicalize", "match_attention", "prune_logits", "fuse_rms_norm", "fuse_add_rms_norm",
+    "default": ["canonicalize", "match_attention", "prune_logits", "match_moe", "fuse_rms_norm", "fuse_add_rms_norm",
                 "fuse_qkv", "fuse_gate_up", "insert_lora", "fuse_activation", "fuse_rope", "fuse_pointwise",
                 "quantize_weights", "quantize_kv_cache", "narrow_weights"],
 }

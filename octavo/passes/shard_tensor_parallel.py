@@ -13,6 +13,7 @@ from octavo.ir.graph import find_nodes, op_name
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, is_weight, only_user
 from octavo.passes.registry import register_pass
+from octavo.passes.tensor_parallel_experts import expert_shard
 from octavo.passes.tensor_parallel_layout import (
     column_range,
     even_share,
@@ -45,6 +46,7 @@ _LAYOUT_OPS = (aten.transpose.int, aten.permute.default, aten.select.int, aten.u
 # hidden states, or per head on whole heads).
 _REPLICATED_WEIGHT_OPS = (octavo.rms_norm.default, octavo.fused_add_rms_norm.default,
                           octavo.rotary_embedding.default)
+_MERGED_GATES = (octavo.silu_and_mul.default, octavo.gelu_and_mul.default)
 
 
 @register_pass("shard_tensor_parallel",
@@ -67,6 +69,11 @@ def shard_tensor_parallel(graph_module: GraphModule, ctx: PassContext) -> GraphM
       fused_pointwise computing exactly that):
       gate and up keep intermediate columns ``[r*I/tp, (r+1)*I/tp)``, down_proj
       the matching input columns, followed by ``octavo.all_reduce``.
+    - Mixture of experts (per ``octavo.moe``): every expert split by its
+      intermediate columns like a gated MLP (tensor_parallel_experts says why
+      not expert parallelism), the router replicated, followed by
+      ``octavo.all_reduce``. A linear with one output feature on the MoE's
+      input (Qwen2-MoE's shared-expert gate) is computed whole on every rank.
     - Embedding: the rank holds vocabulary rows ``[r*ceil(V/tp), ...)``
       (zero-padded past V); ids outside them look up row 0 and are zeroed;
       ``octavo.all_reduce`` sums the one rank's row with zeros.
@@ -79,7 +86,7 @@ def shard_tensor_parallel(graph_module: GraphModule, ctx: PassContext) -> GraphM
     The KV layout in ``ctx.kv_layout`` becomes the rank's (its head counts).
     Sizes that do not divide raise PassError naming them; so does any op that
     reads a weight and is not one of the above or a norm/rotary op. Stats: tp_size, tp_rank,
-    attention_layers, mlp_layers, all_reduce, all_gather.
+    attention_layers, mlp_layers, all_reduce, all_gather, and moe_layers when there are some.
     """
     position = ctx.rank
     if position is None or position.tp_size == 1:
@@ -110,7 +117,7 @@ class _Sharder:
     handled: set[Node] = field(default_factory=set)
     sliced: dict[str, tuple] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("attention_layers", "mlp_layers", "all_reduce", "all_gather"), 0))
+        ("attention_layers", "mlp_layers", "all_reduce", "all_gather", "moe_layers"), 0))
 
     def run(self) -> None:
         layout = self.ctx.kv_layout
@@ -123,13 +130,18 @@ class _Sharder:
             self._shard_attention(attention)
         for gate in self._gated_mlps():
             self._shard_mlp(gate)
+        for moe in find_nodes(self.graph_module, octavo.moe.default):
+            self._shard_moe(moe)
+        for gate in self._scalar_gates():
+            self.handled.add(gate)
         for embedding in [node for op in EMBEDDINGS for node in find_nodes(self.graph_module, op)]:
             self._shard_embedding(embedding)
         self._shard_lm_head()
         self._check_every_weight_user_handled()
         self.ctx.kv_layout = {**layout, "num_heads": len(self.heads.q_heads),
                               "num_kv_heads": len(self.heads.kv_heads)}
-        self.ctx.stats.update({"tp_size": self.tp_size, "tp_rank": self.tp_rank, **self.counts})
+        counts = {name: count for name, count in self.counts.items() if count or name != "moe_layers"}
+        self.ctx.stats.update({"tp_size": self.tp_size, "tp_rank": self.tp_rank, **counts})
 
     # ---- attention ----
 
@@ -232,12 +244,12 @@ class _Sharder:
     # ---- MLP ----
 
     def _gated_mlps(self) -> list[Node]:
-        """The gating nodes: silu_and_mul, silu(gate) * up, or a fused_pointwise computing the latter."""
+        """The gating nodes: silu_and_mul, gelu_and_mul, silu(gate) * up, or a fused_pointwise computing it."""
         return [node for node in self.graph_module.graph.nodes
-                if is_call(node, octavo.silu_and_mul.default) or gate_and_up(node) is not None]
+                if is_call(node, *_MERGED_GATES) or gate_and_up(node) is not None]
 
     def _shard_mlp(self, gate: Node) -> None:
-        if is_call(gate, octavo.silu_and_mul.default):
+        if is_call(gate, *_MERGED_GATES):
             self._shard_fused_gate_up(gate)
         else:
             self._shard_unfused_gate_up(gate, *gate_and_up(gate))
@@ -289,6 +301,27 @@ class _Sharder:
             return node, None, None
         raise PassError(f"shard_tensor_parallel: an input of the gated MLP {gate.name} comes from "
                         f"{_describe(node)}, not a linear")
+
+    # ---- mixtures of experts ----
+
+    def _shard_moe(self, moe: Node) -> None:
+        """Every expert split by intermediate columns (tensor_parallel_experts), then all_reduce."""
+        for index, (key, make_slice) in expert_shard(moe.args, self.ctx.weights, self.tp_size, self.tp_rank).items():
+            self._slice_weight(moe.args[index], key, make_slice)
+        graph = self.graph_module.graph
+        with graph.inserting_before(moe.next):
+            reduced = graph.call_function(octavo.all_reduce.default, (moe, GROUP, self.tp_size))
+        moe.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.handled.add(moe)
+        self.counts["moe_layers"] += 1
+        self.counts["all_reduce"] += 1
+
+    def _scalar_gates(self) -> list[Node]:
+        """Linears with one output feature on an octavo.moe's (replicated) input: computed whole on every rank."""
+        moe_inputs = {_through_views(moe.args[0]) for moe in find_nodes(self.graph_module, octavo.moe.default)}
+        return [linear for linear in find_nodes(self.graph_module, aten.linear.default)
+                if is_weight(linear.args[1], self.ctx) and self.ctx.weights[linear.args[1].name].shape[0] == 1
+                and _through_views(linear.args[0]) in moe_inputs]
 
     # ---- embedding and lm_head ----
 
@@ -396,8 +429,14 @@ class _Sharder:
             for user in node.users:
                 if user not in self.handled and not is_call(user, *_REPLICATED_WEIGHT_OPS):
                     raise PassError(f"shard_tensor_parallel cannot shard {_describe(user)} (it reads weight "
-                                    f"{node.name}) yet: tensor parallelism covers linears of attention and gated "
-                                    "MLPs, the embedding and the lm_head")
+                                    f"{node.name}) yet: tensor parallelism covers linears of attention, gated "
+                                    "MLPs and mixtures of experts, the embedding and the lm_head")
+
+
+def _through_views(node: Node) -> Node:
+    while is_call(node, *VIEWS):
+        node = node.args[0]
+    return node
 
 
 def _describe(node) -> str:

@@ -55,8 +55,8 @@ FORMAT = 3
 
 LIBRARY, OP_TABLE = "model.so", "model.json"
 
-DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_pointwise",
-                  "embedding_w8", "embedding_w4")
+DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
+                  "fused_pointwise", "embedding_w8", "embedding_w4")
 """Pointwise octavo ops (and the quantized embedding gathers) whose torch kernels are inlined as ATen for
 Inductor to fuse (the rest stay opaque)."""
 

@@ -175,3 +175,30 @@ def test_a_quantization_group_that_would_straddle_two_ranks_is_named(tiny_quanti
     # 4 ranks: o_proj's 64 input features give each rank 16, half a group of 32.
     with pytest.raises(PassError, match=r"rank columns \[0, 16\) of 64 cut a quantization group of 32 columns"):
         prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(4, 0))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_experts_split_by_intermediate_columns_compute_the_unsharded_logits(artifacts, model_type):
+    """Qwen2-MoE adds a shared expert (a gated MLP) behind a one-feature sigmoid gate, computed whole on each rank."""
+    assert_layouts_compute_the_same_logits(artifacts(model_type), [(2, 1), (4, 1)])
+
+
+def test_expert_weight_slices_of_a_rank(artifacts):
+    artifact = artifacts("qwen2_moe")
+    program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    stats = program.history[0]["stats"]
+    assert stats["moe_layers"] == LAYERS and stats["mlp_layers"] == LAYERS  # the shared experts
+    gate_up = artifact.weights["model_layers_0_mlp_experts_gate_up_proj"]  # [4 experts, 2 x 32, 64]
+    expected = torch.cat([gate_up[:, 16:32], gate_up[:, 48:64]], dim=1)
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_gate_up_proj"], expected, rtol=0, atol=0)
+    down = artifact.weights["model_layers_0_mlp_experts_down_proj"]  # [4, 64, 32]
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_down_proj"], down[:, :, 16:],
+                               rtol=0, atol=0)
+    router = "model_layers_0_mlp_gate_weight"
+    torch.testing.assert_close(program.weights[router], artifact.weights[router], rtol=0, atol=0)
+
+
+def test_experts_that_do_not_divide_are_named(artifacts):
+    artifact = artifacts("mixtral")  # expert intermediate size 32
+    with pytest.raises(PassError, match="tensor parallel size 3 does not divide"):
+        prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(3, 0))

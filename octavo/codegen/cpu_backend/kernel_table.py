@@ -27,6 +27,7 @@ def build_kernel_table() -> dict:
         octavo.linear_w8.default: native.linear_w8.default,
         octavo.linear_w4.default: native.linear_w4.default,
         octavo.linear_fp8.default: native.linear_fp8.default,
+        octavo.moe.default: native.moe.default,
     }
 
 

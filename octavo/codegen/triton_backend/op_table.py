@@ -33,4 +33,5 @@ TRITON_OPS: dict[str, TritonOp] = {
     "embedding_w4": TritonOp("quantized_linear", "embedding_w4", ()),
     "linear_w16": TritonOp("quantized_linear", "linear_w16", ("quantized_linear.py",)),
     "lora": TritonOp("lora", "lora", ("lora.py",)),
+    "moe": TritonOp("moe", "moe", ("moe.py", "activation.py")),
 }

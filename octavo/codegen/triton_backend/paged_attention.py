@@ -23,7 +23,7 @@ from octavo.errors import OctavoError
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                     scale: float, sliding_window: int = -1, key_scale_cache: Tensor | None = None,
-                    value_scale_cache: Tensor | None = None) -> Tensor:
+                    value_scale_cache: Tensor | None = None, soft_cap: float = 0.0) -> Tensor:
     """Same semantics as octavo.ir.ops.attention.paged_attention; returns [T, Hq, D] in query's dtype.
 
     Quantized (int8 / fp8) caches are not supported (the engine refuses such an artifact on this backend at load,
@@ -43,9 +43,9 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
         has_decodes, has_prefills = bool((query_lens == 1).any()), bool((query_lens > 1).any())
     if has_decodes:
         decode_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                         sliding_window, output)
+                         sliding_window, output, soft_cap)
     if has_prefills:
         prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, output)
+                          sliding_window, output, soft_cap)
     return output
 

@@ -7,6 +7,7 @@ from octavo.ir.ops import (  # noqa: F401
     fused_pointwise,
     linear,
     lora,
+    moe,
     norm,
     quantized_linear,
     rotary,

@@ -362,6 +362,16 @@ inline float exp_shift_sum(float* row, int64_t n, float shift) {
   return hsum(total);
 }
 
+// row[i] = cap * tanh(row[i] / cap) for i < n (attention score soft-capping; a no-op for cap <= 0). Each value
+// runs through the same vector tanh whatever its lane, like exp_shift_sum.
+inline void soft_cap_row(float* row, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const Vec c(cap), inverse(1.f / cap);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) (c * (Vec::loadu(row + i) * inverse).tanh()).store(row + i);
+  if (i < n) (c * (Vec::loadu(row + i, n - i) * inverse).tanh()).store(row + i, n - i);
+}
+
 // Asks for the cache lines of bytes [0, n) of `data` (rows of a paged pool are scattered: the hardware
 // prefetcher cannot follow them).
 inline void prefetch_bytes(const void* data, int64_t n) {
