@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,6 +16,8 @@ from octavo.runtime.step_phases import StepPhases
 from octavo.runtime.stop_checker import check_stop
 from octavo.runtime.structured.manager import StructuredOutputManager
 from octavo.runtime.structured.masks import StepMask
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -73,9 +76,15 @@ class OutputProcessor:
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float, logprob_entry: dict | None) -> bool:
         """Append one chosen token with its logprob (entry) and text; stop checks. Returns whether `seq` finished."""
-        seq.append_token(token_id)
         if seq.grammar is not None and not seq.grammar.accept(token_id):
-            raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, which its grammar does not allow")
+            # Only a row whose mask allowed nothing samples a refused token: the grammar reached a state that no
+            # token of this vocabulary continues. That sequence ends here; the rest of the batch goes on.
+            logger.warning("sequence %s: its grammar allows no token of this vocabulary after %d tokens; aborted",
+                           seq.seq_id, len(seq.output_token_ids))
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            seq.finish_time = time.monotonic()
+            return True
+        seq.append_token(token_id)
         if seq.params.logprobs is not None:  # other rows' logprobs are not computed (NaN)
             seq.cumulative_logprob += logprob
         if seq.output_logprobs is not None:

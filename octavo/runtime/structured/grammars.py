@@ -22,6 +22,7 @@ from typing import Any
 
 from octavo.runtime.structured.formats import exact_formats
 from octavo.runtime.structured.spec import GrammarError, StructuredOutputs
+from octavo.runtime.structured.spelling import Spelling
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class GrammarCache:
         self.compilations = 0
         self.hits = 0
         self._compiler = None
+        self._spelling: Spelling | None = None
         self._grammars: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
@@ -65,6 +67,7 @@ class GrammarCache:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self.stop_token_ids or None)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._spelling = Spelling(info.decoded_vocab, info.special_token_ids)
                 self._tokenizer = None
             return self._compiler
 
@@ -97,11 +100,22 @@ class GrammarCache:
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
+                self._check_spelled(spec.choice)
                 return compiler.compile_grammar(spec.choice_grammar())
             return compiler.compile_grammar(spec.grammar)
         except RuntimeError as error:  # xgrammar reports every rejection so
             raise GrammarError(kind, f"the grammar engine rejected the {_describe(kind)}: "
                                      f"{xgrammar_message(error)}") from None
+
+
+    def _check_spelled(self, choices: list[str]) -> None:
+        """GrammarError naming the first choice no sequence of the vocabulary's tokens writes."""
+        for index, choice in enumerate(choices):
+            position = self._spelling.first_unwritable(choice)
+            if position is not None:
+                raise GrammarError("choice", f"choice {index} ({choice!r}) cannot be written with the model's "
+                                             f"vocabulary: no tokens spell its character {position} "
+                                             f"({choice[position]!r}) there")
 
 
 def _describe(kind: str) -> str:

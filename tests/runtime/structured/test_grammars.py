@@ -50,6 +50,7 @@ def test_threads_share_the_cache(grammars):
 def test_the_least_recently_used_grammar_is_dropped(tokenizer, grammars):
     small = GrammarCache(tokenizer, grammars.vocab_size, [2], capacity=2)
     small._compiler = grammars.compiler()  # the vocabulary once per test session
+    small._spelling = grammars._spelling
     specs = [StructuredOutputs(choice=[f"option {index}"]) for index in range(3)]
     small.compile(specs[0])
     small.compile(specs[1])
@@ -60,3 +61,13 @@ def test_the_least_recently_used_grammar_is_dropped(tokenizer, grammars):
     assert small.compilations == compiled
     small.compile(specs[1])
     assert small.compilations == compiled + 1
+
+
+def test_a_choice_the_vocabulary_cannot_spell_is_refused_naming_it(tokenizer, grammars):
+    """The bundled vocabulary has no token holding byte 0x1d: U+001D can be neither encoded nor generated."""
+    assert tokenizer.decode(tokenizer.encode("a\x1d", add_special_tokens=False)) != "a\x1d"
+    with pytest.raises(GrammarError, match=r"choice 1 \('b\\x1dc'\) cannot be written .* character 1 \('\\x1d'\)"):
+        grammars.compile(StructuredOutputs(choice=["north", "b\x1dc"]))
+    written = ["é", "x\x92õ¡û½", "\U0001F600 ok"]  # multi-byte characters its tokens do spell
+    assert all(tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text for text in written)
+    grammars.compile(StructuredOutputs(choice=written))

@@ -153,3 +153,16 @@ def test_a_spec_the_engine_cannot_compile_adds_nothing(engine):
         engine.add_request(PROMPTS[0], SamplingParams(structured={"regex": "(ab"}))
     assert caught.value.kind == "regex" and isinstance(caught.value, RequestError)
     assert not engine.has_unfinished_requests() and not engine.requests
+
+
+def test_a_grammar_no_token_continues_aborts_only_its_own_sequence(engine):
+    """After "a" the regex needs U+001D, which no token of the vocabulary holds: that request ends as
+    aborted with the text it had; a request beside it in the same batch finishes normally."""
+    stuck = SamplingParams(temperature=0, max_tokens=8, structured=StructuredOutputs(regex="a\x1d"))
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(PROMPTS[0], stuck, request_id="stuck")
+    engine.add_request(PROMPTS[1], free, request_id="free")
+    finals = run_to_completion(engine)
+    assert_pool_full(engine)
+    assert finals["stuck"].outputs[0].finish_reason == "abort" and finals["stuck"].outputs[0].text == "a"
+    assert finals["free"].outputs[0].finish_reason == "length" and len(finals["free"].outputs[0].token_ids) == 6
