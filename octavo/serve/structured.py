@@ -32,9 +32,10 @@ SERVED_BACKENDS = ("xgrammar", "auto")
 
 
 class JsonSchemaFormat(StrictModel):
-    """`response_format.json_schema`: OpenAI's name, description, schema and strict."""
+    """`response_format.json_schema`: OpenAI's name (required, as OpenAI and vLLM read it; OpenAI's rule:
+    letters, digits, underscores and dashes, at most 64), description, schema and strict."""
 
-    name: Annotated[Text, Field(max_length=64)] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Text | None = None
     schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None

@@ -8,13 +8,22 @@ A body is read as a JSON reader reads it (Python's: `NaN` is a float, 5000 digit
    integer, stop 1 to 4 sequences, non-empty prompt lists; vLLM's where vLLM is stricter or adds a
    field: top_p > 0, top_k >= -1, min_p 0..1, repetition_penalty in (0, 2], completions' logprobs 0..20),
    the fields each message role requires, `stream_options` only with `stream: true`, a field of the
-   other endpoint refused, vLLM's unserved fields (guided decoding, best_of) refused unless "off".
+   other endpoint refused, vLLM's unserved best_of refused unless "off". Structured output's fields:
+   `response_format` of type text, json_object or json_schema, whose `json_schema` has OpenAI's
+   `name` (a function name's rule) and a `schema` object (vLLM decodes nothing without one);
+   vLLM's `guided_json` (a schema object or its JSON text), `guided_regex`, `guided_choice` (a
+   non-empty list of strings), `guided_decoding_backend` (only the served "xgrammar" or "auto").
    The server answers 400 naming one of the fields found here before anything else.
 2. `model`: a name other than the served one is a 404.
 3. the rules that need several fields, the vocabulary or the context (`semantic_errors`): sampling with
    n > 1, min_tokens <= max_tokens, stop strings not empty, token ids inside the vocabulary, a prompt
-   that is not empty and that fits the context with its completion, completions' `suffix` (not served),
-   top_logprobs with logprobs, the tool choices served (`tool_choice_error`).
+   that is not empty and that fits the context with its completion (chat: rendered with its tools),
+   completions' `suffix` (not served), top_logprobs with logprobs, the tool choices (`tool_choice_error`),
+   and structured output (`structure_errors`): one kind at most, a JSON schema that is one
+   (`schema_error`), a regular expression that is one (`regex_error`), tools' `parameters` schemas, and
+   no other structure beside a tool choice that decodes under the tools' schemas. Whether a
+   `guided_grammar` or a `structured_outputs` object is valid is not decided here (only that it is
+   one kind of structured output).
 
 Each check returns None for a valid value, else why it is not. Nothing here imports the server.
 """
@@ -35,7 +44,10 @@ TOKEN_ID_KEY = re.compile(r"[0-9]+")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLES_NEEDING_CONTENT = ("system", "developer", "user", "tool")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
-UNSERVED = ("best_of", "guided_json")
+UNSERVED = ("best_of",)
+JSON_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+SERVED_GRAMMAR_BACKENDS = ("xgrammar", "auto")
+STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 # ---------------------------------------------------------------- value checks
@@ -185,6 +197,74 @@ TOOL = obj({"type": literal("function"),
             "function": obj({"name": function_name},
                             {"description": nullable(text), "parameters": nullable(json_object),
                              "strict": nullable(boolean)})})
+JSON_SCHEMA_FORMAT = obj({"name": function_name}, {"description": nullable(text), "schema": nullable(json_object),
+                                                 "strict": nullable(boolean)})
+
+
+def response_format(value) -> str | None:
+    """OpenAI's text, json_object or json_schema; a json_schema format needs its schema, without which
+    vLLM has nothing to decode under."""
+    error = obj({"type": literal("text", "json_object", "json_schema")},
+                {"json_schema": nullable(JSON_SCHEMA_FORMAT)})(value)
+    if error:
+        return error
+    if value["type"] == "json_schema" and (value.get("json_schema") or {}).get("schema") is None:
+        return "a json_schema format without json_schema.schema"
+    return None
+
+
+SUBSCHEMA_KEYWORDS = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+SUBSCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def schema_error(schema) -> str | None:
+    """Why `schema` is no JSON Schema a decoder can follow: not an object (true, the schema every value
+    matches, is one; false matches none), or a `type` in it or its subschemas that is not one of JSON
+    Schema's seven type names (or a list of them)."""
+    if schema is True:
+        return None
+    if not isinstance(schema, dict):
+        return "false: no value matches" if schema is False else "not a schema (an object)"
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict):
+            continue  # true / false subschemas, or a keyword's value of another kind (not read as a schema)
+        kind = node.get("type")
+        names = kind if isinstance(kind, list) else [kind]
+        if "type" in node and not all(isinstance(name, str) and name in JSON_TYPES for name in names):
+            return f"type {kind!r} is not a JSON Schema type"
+        pending.extend(node.get(keyword) for keyword in SUBSCHEMA_KEYWORDS)
+        for keyword in SUBSCHEMA_LIST_KEYWORDS:
+            pending.extend(node.get(keyword) if isinstance(node.get(keyword), list) else [])
+        for keyword in SUBSCHEMA_MAP_KEYWORDS:
+            pending.extend(node.get(keyword).values() if isinstance(node.get(keyword), dict) else [])
+    return None
+
+
+def schema_text_error(value) -> str | None:
+    """`guided_json`: a schema object, or JSON text of one (read as Python's JSON reader reads it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return "not JSON text"
+        if error := json_value(value):
+            return error
+    return schema_error(value)
+
+
+def regex_error(value) -> str | None:
+    """Not a regular expression (checked with Python's `re`: the patterns the fuzzer draws are written in
+    the syntax it shares with the ECMAScript-style regexes the server's grammar engine reads), or empty."""
+    if not value:
+        return "empty"
+    try:
+        re.compile(value)
+    except re.error as error:
+        return f"not a regular expression: {error}"
+    return None
 
 
 def message(value) -> str | None:
@@ -234,6 +314,11 @@ SHARED = {
     "metadata": nullable(metadata),
     "store": nullable(boolean),
     "service_tier": nullable(literal(*SERVICE_TIERS)),
+    "response_format": nullable(response_format),
+    "guided_json": nullable(one_of(json_object, text)),
+    "guided_regex": nullable(text),
+    "guided_choice": nullable(array(text, min_items=1)),
+    "guided_decoding_backend": nullable(literal(*SERVED_GRAMMAR_BACKENDS)),
 }
 COMPLETION = {
     **SHARED,
@@ -251,7 +336,6 @@ CHAT = {
     "max_completion_tokens": nullable(integer(1)),
     "logprobs": nullable(boolean),
     "top_logprobs": nullable(integer(0, 20)),
-    "response_format": nullable(obj({"type": literal("text")})),
     "tools": nullable(array(TOOL)),
     "tool_choice": nullable(one_of(literal("none", "auto", "required"),
                                    obj({"type": literal("function"), "function": obj({"name": function_name})}))),
@@ -312,6 +396,7 @@ def semantic_errors(endpoint: str, body: dict, prompt_lengths: list[int], vocab_
         if max_tokens == 0:
             bad.add("max_tokens")
         length_fields = {"prompt", "max_tokens"}
+        tool_structure = False
     else:
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -319,7 +404,12 @@ def semantic_errors(endpoint: str, body: dict, prompt_lengths: list[int], vocab_
             bad.add("top_logprobs")
         if tool_choice_error(body):
             bad.add("tool_choice")
+        if any(schema_error(tool["function"]["parameters"]) for tool in body.get("tools") or []
+               if tool["function"].get("parameters") is not None):
+            bad.add("tools")  # every tool's parameters must be a schema, whatever the choice
         length_fields = {"messages", "max_tokens", "max_completion_tokens"}
+        tool_structure = not tool_choice_error(body) and decodes_under_tools(body)
+    bad |= structure_errors(body, tool_structure)
     for length in prompt_lengths:
         if length == 0:
             bad.add("prompt")
@@ -331,14 +421,53 @@ def semantic_errors(endpoint: str, body: dict, prompt_lengths: list[int], vocab_
     return bad
 
 
-def tool_choice_error(body: dict) -> bool:
-    """The tool choices this server refuses: it renders tools into the prompt ("none") and parses no tool calls.
+def structured_fields(body: dict) -> list[str]:
+    """The fields that ask for structured output (a text response_format asks for nothing)."""
+    asked = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    if (body.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
+        asked.append("response_format")
+    return asked
 
-    Absent, tool_choice is "auto" with tools and "none" without; null is "none" (as vLLM reads it). "auto",
-    a named function and "required" with tools need tool-call parsing; any choice but "none" needs `tools`.
-    """
+
+def structure_errors(body: dict, tool_structure: bool) -> set[str]:
+    """One kind of structured output at most, valid (a grammar or a structured_outputs object is not judged),
+    and none beside a tool choice that decodes under the tools' schemas (`tool_structure`)."""
+    asked = structured_fields(body)
+    if len(asked) > 1 or (asked and tool_structure):
+        return set(asked)
+    kind = asked[0] if asked else None
+    if kind == "response_format" and body["response_format"]["type"] == "json_schema":
+        return {kind} if schema_error(body[kind]["json_schema"]["schema"]) else set()
+    if kind == "guided_json":
+        return {kind} if schema_text_error(body[kind]) else set()
+    if kind == "guided_regex":
+        return {kind} if regex_error(body[kind]) else set()
+    return set()
+
+
+def _tool_choice(body: dict):
+    """tool_choice as served: absent, "auto" with (non-empty) tools and "none" without; null, "none" (as vLLM
+    reads it); "required" with an empty tool list, "none" (nothing to call)."""
     tools = body.get("tools")
     choice = body.get("tool_choice", "auto" if tools else "none")
-    if choice is None or choice == "none":
-        return False
-    return not (choice == "required" and tools == [])
+    return "none" if choice is None or (choice == "required" and tools == []) else choice
+
+
+def tool_choice_error(body: dict) -> str | None:
+    """As OpenAI and vLLM answer: a choice other than "none" needs `tools`, and a named function must be
+    one of them."""
+    choice, tools = _tool_choice(body), body.get("tools")
+    if choice == "none":
+        return None
+    if tools is None:
+        return "a tool choice without tools"
+    if isinstance(choice, dict) and choice["function"]["name"] not in [tool["function"]["name"] for tool in tools]:
+        return "a named function that is not among the tools"
+    return None
+
+
+def decodes_under_tools(body: dict) -> bool:
+    """Whether the reply is decoded under the tools' schemas: "required" (a list of calls) or a named
+    function (its arguments), which no other structured output can be combined with."""
+    choice = _tool_choice(body)
+    return choice == "required" or isinstance(choice, dict)

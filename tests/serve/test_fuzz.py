@@ -66,7 +66,50 @@ plain_json = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) |
                           lambda children: st.lists(children, max_size=3)
                           | st.dictionaries(short_texts, children, max_size=3), max_leaves=6)
 token_ids = st.integers(min_value=0, max_value=VOCAB_SIZE - 1)
+
+SCHEMAS = [  # real JSON schemas, the kinds tools and structured output send
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0},
+                                      "tags": {"type": "array", "items": {"type": "string"}}},
+     "required": ["n"], "additionalProperties": False},
+    {"type": "object", "properties": {"type": {"type": "string", "enum": ["a", "b"]}, "ok": {"type": "boolean"}}},
+    {"type": "object"},
+    {},
+    {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    {"type": ["string", "null"], "maxLength": 8},
+    {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    {"type": "string", "enum": ["yes", "no"]},
+]
+NOT_SCHEMAS = [  # a `type` that names no JSON Schema type, at the top or in a subschema
+    {"type": "wat"}, {"type": "object", "properties": {"a": {"type": "strin"}}},
+    {"type": "array", "items": {"type": 5}},
+    {"type": ["string", "wat"]}, {"anyOf": [{"type": "integer"}, {"type": "int"}]},
+    {"type": "object", "additionalProperties": {"type": "float"}},
+]
+SCHEMA_TEXTS = ["", "not json", "[1]", "1", "true", "false", '{"type": NaN}', '{"a": 1e999}', "[" * 5000 + "]" * 5000,
+                '{"a":' * 2000 + "1" + "}" * 2000]
+REGEXES = [r"[a-z]+", r"(yes|no)", r"\d{1,3}", r"a|b", "x", "🙂+", r"[^\n]{1,5}", r"(\w+ ){0,2}\w+"]
+NOT_REGEXES = ["", "(ab", "[a-", "*a", "a{2,1}", "a**", "[]", "\\", "a)"]
+schemas = st.sampled_from(SCHEMAS)
+as_json_text = lambda value: write_json(value, escape=False)  # noqa: E731
+not_a_string = json_values.filter(lambda value: not isinstance(value, str))
+schema_values = st.sampled_from(NOT_SCHEMAS) | not_a_string.filter(lambda value: not isinstance(value, dict))
+schema_names = st.sampled_from(["answer", "a-b_1", "x" * 64])
+json_schema_formats = st.fixed_dictionaries(
+    {"type": st.just("json_schema"),
+     "json_schema": st.fixed_dictionaries({"name": schema_names, "schema": schemas},
+                                          optional={"description": short_texts, "strict": st.booleans()})})
+wild_response_formats = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"]) | json_values},
+    optional={"json_schema": st.none() | st.fixed_dictionaries(
+        {}, optional={"name": schema_names | st.sampled_from(["", "x" * 65, "a b", "é"]) | json_values,
+                      "schema": schemas | schema_values | st.none(),
+                      "description": texts | json_values, "strict": st.booleans() | json_values})})
 stop_strings = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=8)
+
+
+TOOL_USE = "tools with tool_choice"
+"""Not a field: `tools` and `tool_choice` drawn together (a tool choice is valid only with its tools)."""
 
 
 def either(valid, wild):
@@ -109,7 +152,16 @@ SHARED_FIELDS = {
                        | json_values),
     "service_tier": either(st.none() | st.sampled_from(SERVICE_TIERS), json_values),
     "best_of": either(st.sampled_from([None, 1, False]), st.integers(0, 3) | json_values),
-    "guided_json": either(st.sampled_from([None, {}, ""]), st.just({"type": "object"}) | json_values),
+    "response_format": either(st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+                              | json_schema_formats, wild_response_formats | json_values),
+    "guided_json": either(st.none() | schemas | schemas.map(as_json_text),
+                          schema_values | schema_values.map(as_json_text) | st.sampled_from(SCHEMA_TEXTS)
+                          | json_values),
+    "guided_regex": either(st.none() | st.sampled_from(REGEXES), st.sampled_from(NOT_REGEXES) | not_a_string),
+    "guided_choice": either(st.none() | st.lists(short_texts, min_size=1, max_size=3),
+                            st.lists(st.text(any_character, max_size=24), max_size=3) | json_values),
+    "guided_decoding_backend": either(st.sampled_from([None, "xgrammar", "auto"]),
+                                      st.sampled_from(["outlines", "guidance", "lm-format-enforcer"]) | json_values),
     "unknown_field": either(plain_json, json_values),
 }
 prompts = either(short_texts.filter(bool) | st.lists(short_texts.filter(bool), min_size=1, max_size=3)
@@ -140,13 +192,15 @@ valid_tool_calls = st.lists(st.fixed_dictionaries({"id": short_texts, "type": st
                             min_size=1, max_size=2)
 tools = st.fixed_dictionaries({"type": st.just("function") | json_values, "function": st.fixed_dictionaries(
     {"name": st.sampled_from(["get_weather", "", "x" * 65]) | texts},
-    optional={"description": texts | json_values,
-              "parameters": st.dictionaries(st.text(any_character, max_size=6), json_values, max_size=3) | json_values,
+    optional={"description": texts | json_values, "parameters": schemas | schema_values,
               "strict": st.booleans() | json_values})})
-valid_tools = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+valid_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.sampled_from(["get_weather", "a-b_1"])},
-    optional={"description": short_texts, "parameters": st.dictionaries(short_texts, plain_json, max_size=2)})}),
-    max_size=2)
+    optional={"description": short_texts, "parameters": schemas, "strict": st.booleans()})})
+valid_tools = st.lists(valid_tool, max_size=2)
+named_choices = st.sampled_from(["get_weather", "a-b_1"]).map(lambda name: {"type": "function",
+                                                                          "function": {"name": name}})
+tool_choices = st.sampled_from([None, "none", "auto", "required"]) | named_choices
 valid_messages = st.lists(st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]),
                            "content": short_texts | st.lists(st.fixed_dictionaries(
@@ -176,9 +230,10 @@ CHAT_FIELDS = {
                               st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
                               | json_values),
     "tools": either(st.none() | valid_tools, st.lists(tools, max_size=2) | json_values),
-    "tool_choice": either(st.sampled_from([None, "none"]),
-                          st.sampled_from(["none", "auto", "required",
-                                           {"type": "function", "function": {"name": "get_weather"}}]) | json_values),
+    "tool_choice": either(st.sampled_from([None, "none"]), tool_choices | json_values),
+    TOOL_USE: either(st.fixed_dictionaries({"tools": st.lists(valid_tool, min_size=1, max_size=2),
+                                          "tool_choice": tool_choices}),
+                     st.fixed_dictionaries({"tools": st.none() | valid_tools, "tool_choice": tool_choices})),
     "parallel_tool_calls": either(st.none() | st.booleans(), json_values),
     "prompt": either(None, st.just("Hi") | json_values),  # a parameter of /v1/completions
     "echo": either(None, json_values),  # another of /v1/completions
@@ -211,7 +266,11 @@ def request_bodies(draw) -> tuple[str, bytes]:
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
         valid, anything = fields[name]
         if not (aim_valid and valid is None):
-            body[name] = draw(valid if aim_valid else anything)
+            value = draw(valid if aim_valid else anything)
+            if name == TOOL_USE:
+                body.update(value)
+            else:
+                body[name] = value
     if not aim_valid and draw(st.integers(0, 9)) == 0:
         del body[ENDPOINTS[endpoint][1]]
     raw = write_json(body, escape).encode()
@@ -263,7 +322,7 @@ class Judge:
             return [len(self.tokenizer.apply_chat_template(
                 [{"role": "system" if message["role"] == "developer" else message["role"],
                   "content": _message_text(message.get("content"))} for message in body["messages"]],
-                add_generation_prompt=True, tokenize=True, return_dict=False))]
+                tools=body.get("tools") or None, add_generation_prompt=True, tokenize=True, return_dict=False))]
         prompt = body["prompt"]
         if isinstance(prompt, str):
             prompt = [prompt]

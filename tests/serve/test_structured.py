@@ -53,7 +53,9 @@ CASES = [
     ("completion", {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, one_layout_json),
     ("chat", {"structured_outputs": {"choice": ["yes", "no"]}, "guided_decoding_backend": "xgrammar"},
      lambda text: text in ("yes", "no") or pytest.fail(text)),
-    ("completion", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, valid_json),
+    ("completion", {"response_format": {"type": "json_schema", "json_schema": {"name": "trip",
+                                                                                         "schema": SCHEMA}}},
+     valid_json),
 ]
 
 
@@ -98,6 +100,8 @@ def test_a_streamed_constrained_reply_is_the_same_text(tiny_server):
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "minItems": 2, "maxItems": 1}}}}, "response_format.json_schema.schema", "minItems"),
     ("chat", {"response_format": {"type": "yaml"}}, "response_format.type", "'json_schema'"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema.name", "Missing required parameter"),
     ("completion", {"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs.regex", "lower bound"),
     ("completion", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ("completion", {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}},
