@@ -13,6 +13,7 @@ from octavo.llm import LLM
 from octavo.runtime.beam_search import BeamSearchParams
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured import StructuredOutputs
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -24,7 +25,7 @@ def test_star_import_binds_every_public_name():
     assert not missing, f"`from octavo import *` does not bind {missing}"
     expected = {"LLM": LLM, "BeamSearchParams": BeamSearchParams, "CompileConfig": CompileConfig,
                 "EngineConfig": EngineConfig, "CompletionOutput": CompletionOutput, "RequestOutput": RequestOutput,
-                "SamplingParams": SamplingParams}
+                "SamplingParams": SamplingParams, "StructuredOutputs": StructuredOutputs}
     assert set(octavo.__all__) == {*expected, "compile_model", "load"}
     for name, value in expected.items():
         assert namespace[name] is value, name

@@ -314,7 +314,14 @@ class Judge:
             return Expected(404, frozenset({"model"}))
         lengths = self.prompt_lengths(endpoint, body)
         refused = semantic_errors(endpoint, body, lengths, VOCAB_SIZE, TINY_MAX_MODEL_LEN)
+        if not all(map(self.writable, body.get("guided_choice") or [])):
+            refused.add("guided_choice")  # a choice no token sequence writes can never be generated
         return Expected(400, frozenset(refused)) if refused else Expected(200)
+
+    def writable(self, text: str) -> bool:
+        """Whether the tokenizer writes `text` back exactly (a vocabulary without some byte drops it)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False) == text
 
     def prompt_lengths(self, endpoint: str, body: dict) -> list[int]:
         """Token counts of the prompts (chat: of the conversation through the chat template)."""
