@@ -106,7 +106,7 @@ def test_a_streamed_constrained_reply_is_the_same_text(tiny_server):
     ("completion", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ("completion", {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}},
      "structured_outputs.whitespace_pattern", "not supported"),
-    ("completion", {"guided_choice": []}, "guided_choice", "at least 1"),
+    ("completion", {"guided_choice": []}, "guided_choice", "minimum length 1"),
     ("completion", {"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex", "only one kind"),
     ("chat", {"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
 ])
