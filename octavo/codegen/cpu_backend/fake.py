@@ -30,4 +30,8 @@ def register_fake_kernels() -> None:
     def _(x, qweight, scales, offsets, bias, group_size, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("octavo_cpu::linear_bf16")
+    def _(input, weight, bias=None):
+        return input.new_empty(input.shape[:-1] + weight.shape[:1])
+
     _registered = True

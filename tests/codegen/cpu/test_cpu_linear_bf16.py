@@ -1,0 +1,106 @@
+"""The C++ linear_bf16 (a bfloat16 model's linear on its own weight) against its definition, on every kernel path.
+
+Definition: out = bf16(sum_k x_k w_k + b), the products exact in float32 (two bfloat16 numbers), the sum in
+float32, rounded to bfloat16 once. A float32 sum of K + 1 terms in any order is within gamma_(K+1) * sum |x_k w_k|
+(+ |b|) of the exact sum (gamma_n = n u / (1 - n u), u = 2^-24), and rounding to bfloat16 moves it by at most
+2^-8 of its magnitude (8 significant bits). The test allows 2^-8 |exact| + 2 gamma_(K+1) * magnitude (the
+second factor covering the rounding's share of the summation error) plus 2^-120 (vdpbf16ps flushes denormal
+products and sums to zero; none arise at these magnitudes). The exact value is computed in float64.
+
+Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, widening FMAs elsewhere); above, AMX tiles on
+CPUs with AMX, ATen's linear elsewhere, and the GEMV's dot kernel over tiles of rows where
+OCTAVO_CPU_BF16_GEMM=dot asks for it (CPUs with AVX512_BF16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.codegen.cpu_backend.isa import cpu_target
+
+ROWS = [1, 2, 3, 5, 8, 9, 31, 33, 64, 70]
+
+
+def assert_within_definition(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None) -> None:
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    assert output.shape == exact.shape and output.dtype == torch.bfloat16
+    terms = x.shape[-1] + 1
+    gamma = terms * 2.0 ** -24 / (1 - terms * 2.0 ** -24)
+    bound = 2.0 ** -8 * exact.abs() + 2 * gamma * magnitude + 2.0 ** -120
+    excess = (output.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"worst excess {excess.max().item():.3g} at {divmod(int(excess.argmax()), exact.shape[1])}"
+
+
+def gemm_choices() -> list[str]:
+    """OCTAVO_CPU_BF16_GEMM values with a kernel of their own here ("" is the CPU's default)."""
+    return ["", "aten"] + (["dot"] if cpu_target().avx512_bf16 else [])
+
+
+@pytest.mark.parametrize("choice", gemm_choices(), ids=lambda choice: choice or "default")
+@pytest.mark.parametrize("shape", [(96, 64), (37, 100), (70, 1536)], ids=["aligned", "odd", "deep"])
+def test_matches_definition(shape, choice, cpu_kernels, monkeypatch):
+    """N = 37 is no multiple of a block of columns, K = 100 none of a tile's depth, K = 1536 is split in parts."""
+    monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", choice)
+    n, k = shape
+    generator = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    for rows in ROWS if choice == "" else [row for row in ROWS if row > 8]:
+        x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+        assert_within_definition(torch.ops.octavo_cpu.linear_bf16(x, weight, bias), x, weight, bias)
+        assert_within_definition(torch.ops.octavo_cpu.linear_bf16(x, weight), x, weight, None)
+
+
+def test_leading_dimensions_and_no_rows(cpu_kernels):
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    output = torch.ops.octavo_cpu.linear_bf16(x, weight)
+    assert output.shape == (2, 3, 40)
+    assert_within_definition(output.reshape(6, 40), x.reshape(6, 64), weight, None)
+    assert torch.ops.octavo_cpu.linear_bf16(torch.empty(0, 64, dtype=torch.bfloat16), weight).shape == (0, 40)
+
+
+def test_the_packed_copy_follows_the_weight(cpu_kernels):
+    """The kernel packs a weight at its first call and reuses that copy while the weight lives unchanged: a weight
+    written in place, and a new weight at the very address of a freed one, must not see the stale copy."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=generator).to(torch.bfloat16)
+    many = torch.randn(40, 64, generator=generator).to(torch.bfloat16)
+    memory = bytearray(96 * 64 * 2)
+    for values in range(3):
+        weight = torch.frombuffer(memory, dtype=torch.bfloat16).view(96, 64)  # a new tensor over the same bytes
+        weight.copy_(torch.randn(96, 64, generator=generator))
+        for rows in (x, many):
+            assert_within_definition(torch.ops.octavo_cpu.linear_bf16(rows, weight), rows, weight, None)
+        before = torch.ops.octavo_cpu.linear_bf16(x, weight)
+        weight.mul_(2)
+        assert torch.equal(torch.ops.octavo_cpu.linear_bf16(x, weight), (before.float() * 2).to(torch.bfloat16))
+        del weight
+
+
+def test_bad_arguments_name_what_is_wrong(cpu_kernels):
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    weight = torch.randn(4, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="input must be a bfloat16"):
+        torch.ops.octavo_cpu.linear_bf16(x.float(), weight)
+    with pytest.raises(RuntimeError, match="weight must be a 2-d bfloat16"):
+        torch.ops.octavo_cpu.linear_bf16(x, weight.float())
+    with pytest.raises(RuntimeError, match="does not end in 16"):
+        torch.ops.octavo_cpu.linear_bf16(x, torch.randn(4, 16).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bias must be a bfloat16 tensor"):
+        torch.ops.octavo_cpu.linear_bf16(x, weight, torch.randn(4))
+
+
+def test_an_unknown_gemm_choice_is_refused(cpu_kernels, monkeypatch):
+    monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", "fast")
+    with pytest.raises(RuntimeError, match="OCTAVO_CPU_BF16_GEMM must be aten or dot"):
+        torch.ops.octavo_cpu.linear_bf16(torch.randn(9, 8).to(torch.bfloat16), torch.randn(4, 8).to(torch.bfloat16))
+
+
+def test_fake_kernel_describes_the_output(cpu_kernels):
+    weight = torch.randn(24, 40).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.octavo_cpu.linear_bf16.default, (torch.randn(3, 40).to(torch.bfloat16), weight),
+                          test_utils=("test_schema", "test_faketensor"))
