@@ -6,12 +6,13 @@
     print(llm.generate("Hello", octavo.SamplingParams(max_tokens=20))[0].outputs[0].text)
 """
 
-__version__ = "0.1.0"
-
 from octavo.config import CompileConfig, EngineConfig
 from octavo.llm import LLM
+from octavo.runtime.beam_search import BeamSearchParams
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured import StructuredOutputs
+from octavo.version import __version__ as __version__
 
 
 def compile_model(source, output_dir, config=None, **options):
@@ -27,4 +28,4 @@ def load(path, **engine_options) -> LLM:
 
 
 __all__ = ["LLM", "BeamSearchParams", "CompileConfig", "CompletionOutput", "EngineConfig", "RequestOutput",
-           "SamplingParams", "compile_model", "load"]
+           "SamplingParams", "StructuredOutputs", "compile_model", "load"]

@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
-from octavo import __version__
 from octavo.errors import OctavoError
+from octavo.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from octavo import __version__
 from octavo.cache_dir import cache_root
 from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.config import CompileConfig
 from octavo.frontend.sources import ModelSource, load_model
 from octavo.ir.artifact_format import MANIFEST
+from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
 

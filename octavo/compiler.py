@@ -12,21 +12,23 @@ from pathlib import Path
 
 import torch
 
-from octavo import __version__
 from octavo.codegen.artifact import check_output_dir, write_artifact
 from octavo.codegen.cpu_backend.precision import resolve_precision
 from octavo.codegen.triton_backend.sources import kernel_sources, source_hashes, write_kernel_sources
 from octavo.config import CompileConfig
 from octavo.errors import OctavoError
-from octavo.eval.corpus import calibration_text, text_digest
+from octavo.eval.corpus import text_digest
+from octavo.eval.sources import calibration_text
 from octavo.frontend import load_model, trace
 from octavo.frontend.calibration import collect_linear_inputs
+from octavo.frontend.features import architecture_features
 from octavo.frontend.sources import ModelSource
 from octavo.frontend.trace import TracedModel, trace_module
 from octavo.ir.graph import format_value, op_histogram
 from octavo.ir.layer_summary import layer_summary
 from octavo.passes import PassContext, run_pipeline
 from octavo.passes.quant_schemes import Calibration, scheme_for
+from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
 def _checked_config(config: CompileConfig | None, output_dir, overwrite: bool) -> CompileConfig:
     config = resolve_precision(config or CompileConfig())
     scheme_for(config)  # an unknown or not yet available scheme fails before any work
+    resolve_lora(config)
     if config.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
         config.dump_dir = os.environ[DUMP_DIR_ENV]
     if output_dir is None and config.stop_after is None:
@@ -200,6 +203,39 @@ def input_specs(graph_module, ctx: PassContext) -> dict[str, tuple[torch.dtype, 
     return specs
 
 
+def resolve_lora(config: CompileConfig) -> None:
+    """Targets and rank from the --lora adapters (their union and their largest rank) where not given; an
+    adapter above a given max_lora_rank, or targeting modules outside given lora_targets, is refused."""
+    from octavo.ir.lora_format import LoraAdapterError, read_adapter_config
+
+    targets, rank = set(config.lora_targets), config.max_lora_rank
+    for entry in config.lora_adapters:
+        name, _, path = entry.partition("=")
+        adapter = read_adapter_config(path)
+        modules = adapter.get("target_modules") or []
+        modules = {modules} if isinstance(modules, str) else set(modules)
+        if config.max_lora_rank and adapter["r"] > config.max_lora_rank:
+            raise LoraAdapterError(f"LoRA adapter {name!r} has rank {adapter['r']}, above --max-lora-rank "
+                                   f"{config.max_lora_rank}")
+        if config.lora_targets and not modules <= set(config.lora_targets):
+            raise LoraAdapterError(f"LoRA adapter {name!r} targets {', '.join(sorted(modules - targets))}, "
+                                   f"outside --lora-targets {', '.join(config.lora_targets)}")
+        targets |= modules
+        rank = max(rank, adapter["r"]) if not config.max_lora_rank else rank
+    config.lora_targets, config.max_lora_rank = tuple(sorted(targets)), rank
+    if config.lora_targets and config.max_lora_rank < 1:
+        raise OctavoError("LoRA targets need a rank: give --max-lora-rank or a --lora adapter")
+
+
+def _lora_manifest(config: CompileConfig, ctx: PassContext) -> dict | None:
+    """insert_lora's layout, with the adapters to load at start (name -> absolute path)."""
+    if ctx.lora is None:
+        return None
+    adapters = {entry.partition("=")[0]: str(Path(entry.partition("=")[2]).resolve())
+                for entry in config.lora_adapters}
+    return {**ctx.lora, "adapters": adapters}
+
+
 def _symbolic(dim, names: dict[str, str]) -> str:
     text = format_value(dim, names)
     return text.removeprefix("sym ")
@@ -223,11 +259,13 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "source": {"name": model_source.name, "kind": model_source.kind, "model_type": model_config.model_type,
                    "checksum_sha256": model_source.checksum, "path": str(model_source.path),
                    "config": model_config.to_dict()},
+        "architecture_features": _features_with_counts(model_config, graph_module),
         "compile_options": config.output_key(),
         "dtype": config.dtype,
         "weight_dtype": config.storage_dtype,
         "dtype_choice": config.dtype_choice or "requested",
         "quantization": ctx.quantization,
+        "lora": _lora_manifest(config, ctx),
         "vocab_size": int(model_config.vocab_size),
         "max_model_len": int(getattr(model_config, "max_position_embeddings", 2048)),
         "eos_token_ids": _eos_token_ids(generation, model_source.tokenizer),
@@ -245,6 +283,16 @@ def build_manifest(model_source: ModelSource, config: CompileConfig, ctx: PassCo
         "layers": layer_summary(graph_module),
         "compile_timings": {key: round(value, 3) for key, value in timings.items()},
     }
+
+
+def _features_with_counts(model_config, graph_module) -> list[dict]:
+    """architecture_features of the model, each with how many nodes of the octavo ops it names the graph has."""
+    histogram = op_histogram(graph_module)
+    features = []
+    for feature in architecture_features(model_config):
+        ops = {name for name in histogram if name.startswith("octavo.") and name in feature.ops.split("(")[0]}
+        features.append({**feature.as_dict(), "nodes": sum(histogram[name] for name in ops)})
+    return features
 
 
 def _eos_token_ids(generation_config, tokenizer) -> list[int]:

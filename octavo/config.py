@@ -15,6 +15,7 @@ DEFAULT_BLOCK_SIZE = 16
 QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 VOCAB_QUANT = ("int8", "w4", "none")
+DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class CompileConfig:
     print_ir_after: tuple[str, ...] = ()
     progress: bool = False
     dtype_choice: str | None = None
+    lora_adapters: tuple[str, ...] = ()  # "name=path" of PEFT adapters the artifact serves from the start
+    lora_targets: tuple[str, ...] = ()  # module names (PEFT target_modules) that get an octavo.lora
+    max_lora_rank: int = 0  # the largest adapter rank the artifact takes (0: the largest given adapter's)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in SUPPORTED_DTYPES:
@@ -82,6 +86,12 @@ class CompileConfig:
             raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not {self.quant}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
+        self.lora_adapters, self.lora_targets = tuple(self.lora_adapters), tuple(self.lora_targets)
+        for entry in self.lora_adapters:
+            if "=" not in entry or not entry.partition("=")[0] or not entry.partition("=")[2]:
+                raise OctavoError(f"--lora takes NAME=PATH (a PEFT adapter directory), got {entry!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 0:
+            raise OctavoError(f"max_lora_rank must be an integer >= 0, got {self.max_lora_rank!r}")
 
     def output_key(self) -> dict:
         """The options that decide the artifact's contents (for the manifest and the cache key)."""
@@ -94,6 +104,9 @@ class CompileConfig:
         }
         if self.storage_dtype != self.dtype:  # present only when narrowed (unnarrowed keys stay as they were)
             key["weight_dtype"] = self.storage_dtype
+        if self.lora_targets:  # present only with LoRA (keys of other artifacts stay as they were)
+            key.update(lora_targets=sorted(self.lora_targets), max_lora_rank=self.max_lora_rank,
+                       lora_adapters=sorted(self.lora_adapters))
         return key
 
     @property
@@ -192,11 +205,18 @@ class SpeculativeConfig:
 class EngineConfig:
     """Options of the runtime engine (LLM(...), octavo generate/serve/bench).
 
-    Parallel engines: tensor_parallel_size x pipeline_parallel_size ranks,
-    spread over `nnodes` machines that meet at `distributed_init`
-    (tcp://HOST:PORT of node 0); `collective_timeout` bounds every wait
-    within a step (seconds); `pipeline_depth` is how many batches are in
-    flight through the stages (default: pipeline_parallel_size).
+    Parallel engines: tensor_parallel_size x pipeline_parallel_size ranks.
+    `distributed_executor` says who starts them: "mp" (Octavo starts the
+    ranks of this machine as processes; with `nnodes` > 1 every machine runs
+    the same command with its `node_rank`, and all meet at `distributed_init`,
+    tcp://HOST:PORT of node 0), "ray" (an actor per rank on a Ray cluster),
+    or "auto":
+    the launcher that started this process (torchrun, srun: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT or SLURM's variables) when there is one, else
+    "mp". `collective_timeout` bounds every wait within a step (seconds),
+    `rendezvous_timeout` the wait for the other ranks at start-up (they load
+    and may compile their programs); `pipeline_depth` is how many batches are
+    in flight through the stages (default: pipeline_parallel_size).
     """
 
     max_num_seqs: int = 128
@@ -218,11 +238,21 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     collective_timeout: float = 60.0
+    rendezvous_timeout: float = 600.0
+    distributed_executor: str = "auto"
     pipeline_depth: int | None = None
     speculative: str | SpeculativeConfig | None = None
+    max_loras: int = 4  # LoRA adapter slots (artifacts compiled with LoRA)
+    lora_modules: tuple[str, ...] = ()  # "name=path" PEFT adapters loaded at start, besides the artifact's own
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules)
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise OctavoError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
+        for entry in self.lora_modules:
+            if not entry.partition("=")[0] or not entry.partition("=")[2]:
+                raise OctavoError(f"--lora-modules takes NAME=PATH (a PEFT adapter directory), got {entry!r}")
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.swap_space = parse_memory_size(self.swap_space)
         if self.max_num_seqs < 1:
@@ -262,8 +292,15 @@ class EngineConfig:
             raise OctavoError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
         if self.pipeline_depth is not None and self.pipeline_depth < 1:
             raise OctavoError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
-        if self.collective_timeout <= 0:
-            raise OctavoError(f"collective_timeout must be > 0 seconds, got {self.collective_timeout}")
+        for name in ("collective_timeout", "rendezvous_timeout"):
+            if getattr(self, name) <= 0:
+                raise OctavoError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise OctavoError(f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, "
+                              f"got {self.distributed_executor!r}")
+        if self.distributed_executor == "ray" and (self.nnodes > 1 or self.distributed_init):
+            raise OctavoError("distributed_executor ray places the ranks itself: nnodes, node_rank and "
+                              "distributed_init belong to the mp executor")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -14,10 +14,11 @@ from tqdm.auto import tqdm
 from octavo.config import CompileConfig, EngineConfig
 from octavo.errors import OctavoError, RequestError
 from octavo.ir.artifact_format import MANIFEST
+from octavo.parallel import create_engine, follow
 from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from octavo.runtime.engine import LLMEngine
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ class LLM:
     directory, .gguf file) that is compiled once into the compile cache with
     `dtype`. Engine options (max_num_seqs, kv_cache_memory, ...) are keyword
     arguments, as in EngineConfig.
+
+    With tensor_parallel_size or pipeline_parallel_size > 1 this process is
+    rank 0: it starts the other ranks as processes of their own (they never
+    import the calling program), or, when torchrun or srun started this
+    process as one of the ranks, joins them. On a rank other than 0 of such a
+    launch, the constructor runs the rank until rank 0 shuts the engine down
+    and then ends the process (SystemExit): rank 0 generates, the others follow.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str = "auto", **engine_options):
@@ -40,7 +48,11 @@ class LLM:
 
             path = cached_artifact(model, CompileConfig(dtype=dtype))
         self.artifact_path = path
-        self.engine = LLMEngine(path, EngineConfig.from_kwargs(**engine_options))
+        config = EngineConfig.from_kwargs(**engine_options)
+        follower_exit = follow(path, config)
+        if follower_exit is not None:
+            raise SystemExit(follower_exit)
+        self.engine = create_engine(path, config)
         self._ids = itertools.count()
         self._active: str | None = None
 
@@ -66,17 +78,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, lora: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order.
+
+        `lora` names a loaded LoRA adapter (an artifact compiled with LoRA; `lora_modules=("name=path",)`).
 
         A prompt is text, a list of token ids, or {"prompt_token_ids": [...]}.
         A request that is invalid (too long, say) does not stop the others:
         its output has `error` set and no completions.
         """
         with self._exclusive("generate"):
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, lora)
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, lora: str | None = None) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
@@ -84,7 +98,7 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"generate-{next(self._ids)}"
             order.append(request_id)
-            rejected = self._add(request_id, prompt, params)
+            rejected = self._add(request_id, prompt, params, lora)
             if rejected is not None:
                 outputs[request_id] = rejected
         with tqdm(total=len(order), disable=not use_tqdm, desc="generating", unit="req") as progress:
@@ -119,10 +133,13 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int | BeamSearchParams,
                     max_tokens: int | None = None, *, ignore_eos: bool = False,
-                    length_penalty: float = 1.0) -> list[BeamSearchOutput]:
-        """Beam search (vLLM's semantics, see octavo.runtime.beam_search); one output per prompt, best first."""
+                    length_penalty: float = 1.0, structured: StructuredOutputs | dict | None = None
+                    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's semantics, see octavo.runtime.beam_search); one output per prompt, best first.
+
+        `structured` keeps every beam inside a grammar (see SamplingParams.structured)."""
         params = beam_width if isinstance(beam_width, BeamSearchParams) else BeamSearchParams(
-            beam_width, max_tokens if max_tokens is not None else 16, ignore_eos, length_penalty)
+            beam_width, max_tokens if max_tokens is not None else 16, ignore_eos, length_penalty, structured)
         token_prompts = []
         for prompt in _as_prompt_list(prompts):
             if isinstance(prompt, dict):
@@ -145,11 +162,12 @@ class LLM:
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutput | None:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams,
+             lora: str | None = None) -> RequestOutput | None:
         try:
             if isinstance(prompt, dict):
                 prompt = _prompt_of(prompt)
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_request(prompt, params, request_id=request_id, lora=lora)
         except OctavoError as error:
             # Reported to the caller in the output's `error`; a warning here would say it twice.
             logger.info("request %s rejected: %s", request_id, error)

@@ -1,13 +1,15 @@
 """Compare quantization variants of one model: perplexity on the same tokens and weights on disk.
 
     python scripts/quant_compare.py --out /tmp/quant [--model smollm2-135m] [--max-text-tokens 8192] \
-        [--variants fp32,bf16,w8,w4,fp8,kv-int8,kv-fp8] [--threads 2]
+        [--variants fp32,bf16,w8,w4,fp8,kv-int8,kv-fp8] [--texts default,code,reference,prose] [--threads 2]
 
 Compiles each variant (one trace per dtype, see octavo.compiler.compile_variants) into
-OUT/<variant>, scores the built-in evaluation text (or --text FILE) with `octavo eval`'s
-window 512 / stride 256, and prints a markdown table: perplexity, its change against the
-first variant, weights on disk (weights.safetensors, embedding included) and their ratio
-to bf16 when a bf16 variant is in the list. Writes OUT/results.json too.
+OUT/<variant>, scores each text (a built-in name of `octavo eval --perplexity`, or a file;
+default: the built-in evaluation text) with `octavo eval`'s window 512 / stride 256, and
+prints a markdown table per text: perplexity, its change against the first variant, weights
+on disk (weights.safetensors, embedding included) and their ratio to bf16 when a bf16
+variant is in the list; with several texts, then each variant's change against the first
+on every text. Writes OUT/results.json too.
 
 A variant is `dtype[:option=value...]` or one of the names in VARIANTS, e.g.
 `fp32:quant=w4:group_size=128` or `bf16:kv_cache_dtype=int8`.
@@ -24,8 +26,8 @@ import torch
 
 from octavo.compiler import compile_variants
 from octavo.config import CompileConfig, EngineConfig
-from octavo.eval.corpus import read_text
 from octavo.eval.perplexity import perplexity, tokenize_text
+from octavo.eval.sources import read_text
 from octavo.runtime.engine import LLMEngine
 
 VARIANTS = {
@@ -54,7 +56,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--variants", default="fp32,bf16,w8,w4,fp8,kv-int8,kv-fp8")
-    parser.add_argument("--text", default="default")
+    parser.add_argument("--texts", default="default", help="comma-separated built-in names or files")
     parser.add_argument("--max-text-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="reuse artifacts already in OUT")
@@ -65,18 +67,34 @@ def main() -> None:
             if not (args.reuse and (args.out / name / "manifest.json").is_file())]
     if todo:
         compile_variants(args.model, todo, overwrite=True)
-    text = read_text(args.text)
+    texts = args.texts.split(",")
     rows = []
     for name in names:
         engine = LLMEngine(args.out / name, EngineConfig(num_threads=args.threads, max_num_batched_tokens=2048))
-        tokens = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
-        start = time.perf_counter()
-        result = perplexity(engine, tokens)
-        rows.append({"variant": name, **result.as_dict(), "seconds": round(time.perf_counter() - start, 1),
-                     "weight_bytes": (args.out / name / "weights.safetensors").stat().st_size})
-        print(json.dumps(rows[-1]), flush=True)
+        for text_name in texts:
+            tokens = tokenize_text(engine.tokenizer, read_text(text_name), args.max_text_tokens)
+            start = time.perf_counter()
+            result = perplexity(engine, tokens)
+            rows.append({"variant": name, "text": text_name, **result.as_dict(),
+                         "seconds": round(time.perf_counter() - start, 1),
+                         "weight_bytes": (args.out / name / "weights.safetensors").stat().st_size})
+            print(json.dumps(rows[-1]), flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print(table(rows))
+    for text_name in texts:
+        print(f"\n{text_name}:\n" + table([row for row in rows if row["text"] == text_name]))
+    if len(texts) > 1:
+        print("\n" + spread(rows, names, texts))
+
+
+def spread(rows: list[dict], names: list[str], texts: list[str]) -> str:
+    """Each variant's perplexity change against the first variant, per text, and the range over the texts."""
+    by = {(row["variant"], row["text"]): row["perplexity"] for row in rows}
+    lines = ["| variant | " + " | ".join(texts) + " | range |", "|---" * (len(texts) + 2) + "|"]
+    for name in names[1:]:
+        changes = [100 * (by[name, text] / by[names[0], text] - 1) for text in texts]
+        lines.append(f"| {name} | " + " | ".join(f"{change:+.1f}%" for change in changes)
+                     + f" | {min(changes):+.1f}% .. {max(changes):+.1f}% |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

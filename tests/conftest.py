@@ -5,8 +5,10 @@ subprocesses tests start): the compiled executor AOT-compiles each artifact's gr
 Inductor, ~10 s per tiny artifact and a minute for SmolLM2 on a cold cache, which the many engine
 tests on their many artifacts cannot afford. The compiled executor has dedicated tests that ask for
 it explicitly (an explicit EngineConfig(executor="compiled") overrides the variable), sharing one
-compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py and the
-windowed architecture in tests/test_architectures.py.
+compile per artifact through the session's cache: tests/runtime/test_compiled_executor.py (padding,
+warm starts, quantized artifacts), tests/runtime/test_compiled_executor_features.py (speculative
+decoding, preemption, prefix caching, n > 1, beams: each against the eager engine's tokens) and the
+windowed architecture in tests/test_architectures.py, all on the tiny mistral's one package.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
+# kernel modules first (compiling an artifact emits kernels): on CPU set it before torch or
+# Octavo is imported here: importing Octavo imports Inductor, which imports triton.language.
+if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 
@@ -27,10 +35,6 @@ from octavo.cache_dir import cache_root
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OCTAVO_EXECUTOR", "eager")
-# @triton.jit reads TRITON_INTERPRET when a kernel is defined (at import), and any test may import the
-# kernel modules first (compiling an artifact emits kernels): on CPU set it before any test module loads.
-if os.environ.get("OCTAVO_TEST_DEVICE", "cpu") == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(2)
 # The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
 # a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
@@ -227,3 +231,41 @@ def assert_pool_full(engine) -> None:
     assert manager.num_free_blocks == manager.num_blocks, (
         f"{manager.num_blocks - manager.num_free_blocks} KV blocks leaked")
     assert not engine.has_unfinished_requests()
+
+
+def build_lora_adapter(model_dir: Path, path: Path, targets: list[str], rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter of a tiny model with random (not zero) factors, saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0.0, 0.2)
+    peft_model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """PEFT adapters of the tiny llama: a (rank 4) and b (rank 8) with disjoint targets, c (rank 2), wide (rank 16)."""
+    root, model_dir = tmp_path_factory.mktemp("lora"), tiny_model_dir("llama")
+    return {"a": build_lora_adapter(model_dir, root / "a", ["q_proj", "v_proj", "down_proj"], 4, 1),
+            "b": build_lora_adapter(model_dir, root / "b", ["k_proj", "gate_proj", "o_proj"], 8, 2),
+            "c": build_lora_adapter(model_dir, root / "c", ["q_proj", "up_proj"], 2, 3),
+            "wide": build_lora_adapter(model_dir, root / "wide", ["q_proj"], 16, 4)}
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_artifact(tiny_model_dir, lora_adapters, tmp_path_factory) -> Path:
+    """The tiny llama compiled with adapters a and b, every linear of a layer taking adapters up to rank 8."""
+    from octavo.compiler import compile_model
+    from octavo.config import CompileConfig
+
+    config = CompileConfig(dtype="float32", lora_adapters=(f"a={lora_adapters['a']}", f"b={lora_adapters['b']}"),
+                           lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                         "down_proj"), max_lora_rank=8)
+    return compile_model(tiny_model_dir("llama"), tmp_path_factory.mktemp("lora-artifact") / "artifact", config)

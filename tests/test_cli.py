@@ -98,7 +98,8 @@ def test_compile_writes_one_dump_per_pass_in_pipeline_order(smollm2_fp32_compile
         assert diff[:2] == [f"--- {previous}\n", f"+++ {stem}\n"]
         assert apply_unified_diff(before, diff[2:]) == after, f"{stem}.diff does not turn {previous} into {stem}"
         applied += 1
-    assert applied >= len(pipeline) - 1, "every pass but fuse_pointwise rewrites the bundled model"
+    # fuse_pointwise and match_moe (SmolLM2 has no experts) leave the bundled model as they find it.
+    assert applied >= len(pipeline) - 2, "every pass but fuse_pointwise and match_moe rewrites the bundled model"
     attention = json.loads((run.dump_dir / "02-match_attention.json").read_text())
     assert attention["name"] == "match_attention" and attention["stats"]["replaced_sdpa"] == 30
     assert json.loads((run.dump_dir / f"{stems[-1]}.json").read_text())["node_count"] == manifest["node_count"]
@@ -122,12 +123,25 @@ def test_inspect_shows_paged_attention_and_no_sdpa(smollm2_fp32_artifact):
     assert "match_attention" in result.stdout and "replaced_sdpa=30" in result.stdout
 
 
-def test_generate_chat_answers_with_the_real_model(smollm2_fp32_artifact):
-    result = run_cli("generate", str(smollm2_fp32_artifact), "--prompt", "What is the capital of France?",
-                     "--chat", "--max-tokens", "12", "--num-kv-blocks", "64", "--threads", "2")
+def test_generate_chat_answers_as_hugging_face_does_with_the_real_model(smollm2_fp32_artifact, smollm2_source,
+                                                                         smollm2_hf_fp32):
+    """The printed answer is Hugging Face's greedy answer on the same weights, token for token: a float32
+    artifact is token-exact with HF float32 (tests/test_smollm2.py), so no near-tie margin applies."""
+    question = "What is the capital of France?"
+    result = run_cli("generate", str(smollm2_fp32_artifact), "--prompt", question, "--chat", "--max-tokens", "12",
+                     "--num-kv-blocks", "64", "--threads", "2")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
-    assert re.search(r"\(\d+ tokens in [0-9.]+s, [0-9.]+ tok/s, finish: (stop|length)\)", result.stderr)
+    tokenizer = smollm2_source.tokenizer
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        generated = smollm2_hf_fp32.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=12,
+                                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.stdout == tokenizer.decode(generated, skip_special_tokens=True) + "\n", (result.stdout, generated)
+    eos = smollm2_hf_fp32.generation_config.eos_token_id
+    finish = "stop" if generated[-1] in (eos if isinstance(eos, list) else [eos]) else "length"
+    assert f"({len(generated)} tokens in " in result.stderr and f"finish: {finish})" in result.stderr, result.stderr
 
 
 # ---- generate on a tiny model: the printed text is what the API generates ----

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
+from octavo.commands.inspect_command import measure_loaded_memory
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
+from octavo.runtime.weights import load_safetensors_mmap
 from tests.conftest import run_cli
 
 
@@ -29,3 +33,33 @@ def test_inspect_reports_the_quantization(tiny_quantized_artifact):
     assert "float: norm weights, biases, rotary table" in result.stdout
     assert "kv quant int8 cache, one float32 scale per token and kv head" in result.stdout
     assert "+ 8 cache pools" in result.stdout  # 2 layers x (key, value, key scales, value scales)
+
+
+def _held(stdout: str) -> dict[str, float]:
+    """{dtype: MiB} of `inspect --memory`'s "weights held by the kernels" line."""
+    line = next(line for line in stdout.splitlines() if line.startswith("memory   loaded here"))
+    listed = line.split("MiB (", 1)[1].rstrip(")")
+    return {dtype: float(size) for dtype, size in (item.split() for item in listed.split(", "))}
+
+
+def _stored_mib(artifact, dtype: torch.dtype) -> float:
+    tensors = load_safetensors_mmap(artifact / "weights.safetensors")
+    return sum(tensor.nbytes for tensor in tensors.values() if tensor.dtype == dtype) / 2**20
+
+
+def test_inspect_memory_reports_what_the_loaded_kernels_hold(tiny_quantized_artifact):
+    """fp8 weights stay float8 in memory on the cpu backend (its kernels widen them tile by tile); the torch
+    backend widens them at load, to bfloat16 or float32: at least twice their bytes."""
+    artifact = tiny_quantized_artifact("llama", quant="fp8")
+    stored = _stored_mib(artifact, torch.float8_e4m3fn)
+    assert stored > 0
+    native = run_cli("inspect", str(artifact), "--memory", "--backend", "cpu", "--executor", "eager")
+    assert native.returncode == 0, native.stderr
+    assert "(cpu backend, eager executor)" in native.stdout and "resident memory " in native.stdout
+    held = _held(native.stdout)
+    assert abs(held["float8_e4m3fn"] - stored) <= 0.1 + 0.01 * stored
+    widened = measure_loaded_memory(artifact, "torch", "eager")
+    assert (widened["backend"], widened["executor"]) == ("torch", "eager")
+    assert "float8_e4m3fn" not in widened["weights"]
+    widened_mib = (widened["weights"].get("bfloat16", 0) + widened["weights"].get("float32", 0)) / 2**20
+    assert widened_mib >= held.get("float32", 0) + 2 * stored - 0.2

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The library may use the core dependencies, plus triton behind its availability check.
-LIBRARY_EXTRAS = ("triton",)
+# The library may use the core dependencies, plus triton and ray behind their availability checks (imported
+# only where a GPU backend or the Ray executor is asked for).
+LIBRARY_EXTRAS = ("triton", "ray")
 # Tests, benchmarks and scripts may also use the dev extra.
 TOOLING_EXTRAS = ("triton", "dev")
 

@@ -10,6 +10,7 @@ import torch
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
+from tests.token_agreement import check_near_ties
 
 pytestmark = pytest.mark.slow
 
@@ -105,25 +106,7 @@ def test_bf16_tokens_are_hf_argmax_or_a_near_tie_and_in_hf_top5(smollm2_bf16_art
     """
     llm = LLM(smollm2_bf16_artifact, num_kv_blocks=512)
     tokens = octavo_greedy(llm, prompts, NEW_TOKENS)
-    runner_up_within, positions = 0, 0
-    for index, (prompt, ours) in enumerate(zip(prompts, tokens, strict=True)):
-        with torch.no_grad():
-            logits = smollm2_hf_bf16(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
-        chosen_ids = torch.tensor(ours).unsqueeze(1)
-        top5 = logits.topk(5, dim=-1)
-        outside = (~(top5.indices == chosen_ids).any(dim=1)).nonzero().flatten().tolist()
-        assert not outside, f"prompt {index}: tokens outside HF's top 5 at output positions {outside}"
-        top = top5.values[:, 0]
-        margin = BF16_TIE_MARGIN * top.abs()
-        below = top - logits.gather(1, chosen_ids).squeeze(1)
-        worst = int((below - margin).argmax())
-        assert below[worst] <= margin[worst], (
-            f"prompt {index}, output position {worst}: token {ours[worst]} is {float(below[worst]):.3f} below "
-            f"HF's top logit {float(top[worst]):.2f}, more than the bf16 near-tie margin {float(margin[worst]):.3f}")
-        runner_up_within += int((top - top5.values[:, 1] <= margin).sum())
-        positions += len(ours)
-    assert runner_up_within <= MAX_RUNNER_UP_WITHIN_MARGIN * positions, (
-        f"HF's runner-up is within the margin at {runner_up_within}/{positions} positions: the margin is loose")
+    check_near_ties(smollm2_hf_bf16, prompts, tokens, BF16_TIE_MARGIN, MAX_RUNNER_UP_WITHIN_MARGIN)
     assert_pool_full(llm.engine)
 
 

@@ -22,12 +22,19 @@ def bench_params(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]]) -> tuple[BenchResult, list]:
-    """All requests submitted at once; TTFT from submission, ITL per request. Returns outputs too."""
+def run_octavo(engine: LLMEngine, workload: Workload, prompts: list[list[int]],
+               params: list[SamplingParams] | None = None,
+               loras: list[str | None] | None = None) -> tuple[BenchResult, list]:
+    """All requests submitted at once; TTFT from submission, ITL per request. Returns outputs too.
+
+    `params` (one per prompt) default to `bench_params(workload.output_len)`; `loras` (one per prompt)
+    name the LoRA adapter each request runs under."""
     _warm_up(engine, prompts[0])
+    params = params or [bench_params(workload.output_len)] * len(prompts)
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):
-        engine.add_request(prompt, bench_params(workload.output_len), request_id=f"bench-{index}")
+        engine.add_request(prompt, params[index], request_id=f"bench-{index}",
+                           lora=loras[index] if loras is not None else None)
     token_times: dict[str, list[float]] = {}
     finished = {}
     preemptions_before = engine.scheduler.num_preemptions

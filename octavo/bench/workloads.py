@@ -26,8 +26,11 @@ class Workload:
     (after a common `shared_prefix_len`-token prefix), each generating `output_len` tokens.
 
     With `chat_file` (a TOML file next to workloads.toml, with [[request]] tables of `instruction`
-    and `code`), the prompts are instead real chat requests rendered by the artifact's chat
+    and optionally `code`), the prompts are instead real chat requests rendered by the artifact's chat
     template, taken in order (and again from the first when there are more requests than tables).
+
+    With `schema_file` (a JSON schema next to workloads.toml), every request's output is constrained
+    to that schema (structured output); it ends when the JSON does, at most `output_len` tokens.
     """
 
     name: str
@@ -42,6 +45,13 @@ class Workload:
     token_id_high: int = 49000
     fixed_prompts: tuple[tuple[int, ...], ...] | None = None
     chat_file: str | None = None
+    schema_file: str | None = None
+
+    def schema(self) -> dict | None:
+        """The JSON schema every output must match (None: unconstrained)."""
+        if self.schema_file is None:
+            return None
+        return json.loads((workloads_path().parent / self.schema_file).read_text())
 
     def prompts(self, vocab_size: int, tokenizer=None) -> list[list[int]]:
         """The workload's prompts as token ids (deterministic; ids below `vocab_size`).
@@ -84,7 +94,9 @@ class Workload:
         prompts = []
         for index in range(self.num_requests):
             request = requests[index % len(requests)]
-            content = f"{request['instruction']}\n\n```python\n{request['code'].strip()}\n```"
+            content = request["instruction"]
+            if "code" in request:
+                content += f"\n\n```python\n{request['code'].strip()}\n```"
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                                      add_generation_prompt=True, tokenize=False)
             prompts.append(tokenizer.encode(rendered, add_special_tokens=False))

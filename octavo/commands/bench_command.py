@@ -9,9 +9,11 @@ import statistics
 import torch
 
 from octavo.bench.runners import run_hf, run_octavo, workload_blocks
+from octavo.bench.structured import constrained_params, unconstrained_twins, validity
 from octavo.bench.workloads import get_workload, workload_from_file
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import OctavoError
+from octavo.parallel import create_engine
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.loader import load_artifact
 
@@ -23,20 +25,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompts-from", metavar="FILE", default=None,
                         help="run these requests instead of --workload: a JSON list of {\"prompt_token_ids\": "
                         "[...], \"max_tokens\": N}, as the side-by-side harness of other engines writes it")
-    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool", "no-speculation"], default=None,
+    parser.add_argument("--vs", choices=["hf", "no-prefix-caching", "full-pool", "no-speculation", "unconstrained"],
+                        default=None,
                         help="also run a baseline in this process and print the ratio: Hugging Face generate, "
-                        "the engine without prefix caching, with a pool that holds every request, or without "
-                        "speculative decoding")
+                        "the engine without prefix caching, with a pool that holds every request, without "
+                        "speculative decoding, or (a workload with a schema) the same requests unconstrained, "
+                        "each generating as many tokens as its constrained twin")
     parser.add_argument("--vs-artifact", metavar="DIR", default=None,
                         help="also run the workload on this second artifact (e.g. compiled with --disable-pass) "
                         "in this process and print the ratio")
     parser.add_argument("--kv-pool-fraction", type=float, default=None, metavar="F",
                         help="size the KV pool to F x the blocks the whole workload needs at once (e.g. 0.25)")
     parser.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    parser.add_argument("--lora-mix", type=int, default=0, metavar="K",
+                        help="send the requests under the first K LoRA adapters the engine has loaded, in turn "
+                        "(an artifact compiled with LoRA); compare with --vs-artifact BASE (the model without LoRA)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of a workload, split one decode step at 1 and at 64 sequences and one "
                         "512-token prefill into scheduling, input building, model (linears, attention, other "
-                        "kernels, dispatch), sampling and detokenization")
+                        "kernels, dispatch), sampling and detokenization; with --workload json_schema also a "
+                        "64-sequence decode step under that schema (its grammar phase: waiting for the masks)")
     parser.add_argument("--server", metavar="URL", help="benchmark a running `octavo serve` (or any OpenAI-compatible "
                         "server) online: streaming requests with Poisson arrivals")
     parser.add_argument("--rate", type=float, default=float("inf"), help="with --server: requests/s (default inf)")
@@ -56,12 +64,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_online(args, workload)
     if args.artifact is None:
         raise OctavoError("give an ARTIFACT directory, or --server URL to benchmark a running server")
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     config = engine_config(args)
     if args.vs == "no-speculation" and config.speculative is None:
         raise OctavoError("--vs no-speculation compares against speculative decoding: add --speculative SPEC")
+    if args.vs == "unconstrained" and workload.schema_file is None:
+        raise OctavoError("--vs unconstrained compares against structured output: use a workload with a schema "
+                          "(--workload json_schema)")
     if config.num_threads is None and config.world_size == 1:  # parallel ranks share the cores out themselves
         config.num_threads = 2
     if config.num_threads:
@@ -70,17 +81,30 @@ def run(args: argparse.Namespace) -> int:
     needed_blocks = workload_blocks(workload, artifact)
     if args.kv_pool_fraction is not None:
         config.num_kv_blocks = max(1, int(needed_blocks * args.kv_pool_fraction))
-    engine = LLMEngine(artifact, config)
-    if args.profile:
-        return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])))
-    prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
-    console.print(f"workload {workload.name}: {workload.description} "
-                  f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
-                  f"backend {engine.backend}, "
-                  f"KV pool {engine.block_manager.num_blocks} blocks = "
-                  f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload needs)")
-    octavo_result, octavo_tokens = run_octavo(engine, workload, prompts)
+    engine = create_engine(artifact, config)
+    try:
+        if args.profile:
+            return _run_profile(engine, config, set(getattr(engine.tokenizer, "all_special_ids", [])),
+                                workload.schema())
+        prompts = workload.prompts(engine.vocab_size, engine.tokenizer)
+        params = constrained_params(workload, len(prompts))
+        console.print(f"workload {workload.name}: {workload.description} "
+                      f"({config.num_threads or torch.get_num_threads()} threads{_layout(config)}, {engine.device}, "
+                      f"backend {engine.backend}, "
+                      f"KV pool {engine.block_manager.num_blocks} blocks = "
+                      f"{engine.block_manager.num_blocks / needed_blocks:.0%} of the {needed_blocks} the workload "
+                      "needs)")
+        octavo_result, octavo_tokens = run_octavo(engine, workload, prompts, params,
+                                                  _lora_mix(engine, args.lora_mix, len(prompts)))
+        if params is not None:
+            octavo_result.extra["structured"] = validity(workload, octavo_tokens, engine.tokenizer)
+    finally:
+        engine.shutdown()  # before any baseline engine: a process runs one parallel engine at a time
     console.print(octavo_result.line(), markup=False)
+    if args.vs == "unconstrained":
+        baseline = create_engine(artifact, config)
+        _compare("unconstrained", baseline, workload, prompts, octavo_result, octavo_tokens,
+                 unconstrained_twins(octavo_tokens))
     if args.vs in ("no-prefix-caching", "full-pool", "no-speculation"):
         _compare_engine_variant(args.vs, artifact, config, needed_blocks, workload, prompts, octavo_result,
                                 octavo_tokens)
@@ -96,23 +120,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_mix(engine: LLMEngine, count: int, num_requests: int) -> list[str | None] | None:
+    """The adapter of each request: the first `count` loaded adapters in turn (None without --lora-mix)."""
+    if not count:
+        return None
+    loaded = sorted(engine.lora.slots, key=engine.lora.slots.get) if engine.lora is not None else []
+    if len(loaded) < count:
+        raise OctavoError(f"--lora-mix {count} needs {count} loaded LoRA adapters; the engine has {len(loaded)} "
+                          "(octavo compile --lora, or --lora-modules)")
+    console.print(f"requests under the LoRA adapters {', '.join(loaded[:count])} in turn")
+    return [loaded[index % count] for index in range(num_requests)]
+
+
 def _compare_engine_variant(variant: str, artifact, config, needed_blocks: int, workload, prompts,
                             result, tokens) -> None:
     """Run the same workload on a second engine that differs in one option, and print the ratio."""
     changes = {"no-prefix-caching": {"enable_prefix_caching": False},
                "full-pool": {"num_kv_blocks": needed_blocks, "kv_cache_memory": None},
                "no-speculation": {"speculative": None}}[variant]
-    baseline = LLMEngine(artifact, dataclasses.replace(config, **changes))
+    baseline = create_engine(artifact, dataclasses.replace(config, **changes))
     _compare(variant, baseline, workload, prompts, result, tokens)
 
 
 def _compare_artifact(path: str, config, workload, prompts, result, tokens) -> None:
     """Run the same workload on a second artifact with the same engine options, and print the ratio."""
-    _compare(f"octavo[{path}]", LLMEngine(load_artifact(path), config), workload, prompts, result, tokens)
+    _compare(f"octavo[{path}]", create_engine(load_artifact(path), config), workload, prompts, result, tokens)
 
 
-def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) -> None:
-    baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts)
+def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens, params=None) -> None:
+    try:
+        baseline_result, baseline_tokens = run_octavo(baseline, workload, prompts, params)
+    finally:
+        baseline.shutdown()
     baseline_result.engine = name
     console.print(baseline_result.line(), markup=False)
     same = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
@@ -126,14 +165,16 @@ def _compare(name: str, baseline: LLMEngine, workload, prompts, result, tokens) 
                   f"identical greedy outputs {same}/{len(prompts)}", markup=False)
 
 
-def _run_profile(engine: LLMEngine, config, special: set[int]) -> int:
+def _run_profile(engine: LLMEngine, config, special: set[int], schema: dict | None) -> int:
     from octavo.bench.profile import format_profiles, profile_engine
+    from octavo.runtime.structured import StructuredOutputs
 
     console.print(f"profile of {engine.artifact.path} ({config.num_threads} threads, {engine.device}, "
                   f"backend {engine.backend}, executor {engine.executor_kind}); phases are medians of "
                   "unprofiled steps, the model split comes from one step under torch.profiler")
     vocab_ids = [token for token in range(engine.vocab_size) if token not in special]
-    for line in format_profiles(profile_engine(engine, vocab_ids)):
+    structured = StructuredOutputs(json=schema) if schema is not None else None
+    for line in format_profiles(profile_engine(engine, vocab_ids, structured=structured)):
         console.print(line, markup=False)
     return 0
 

@@ -36,18 +36,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="speculative decoding: ngram:K (prompt lookup) or draft:PATH:K (a draft artifact with "
                        "the same tokenizer) proposes up to K tokens per step; add :fixed to always propose K "
                        "(default: a measured cost model picks K, down to none)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="PEFT LoRA adapters to load at start (an artifact compiled with LoRA); requests pick "
+                       "one by its NAME in the model field")
+    group.add_argument("--max-loras", type=int, default=None, help="LoRA adapter slots (default 4)")
     parallel = parser.add_argument_group("parallel options")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                           help="shard each layer over N ranks (attention heads, MLP columns, vocabulary)")
     parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="P",
                           help="split the layers into P pipeline stages")
+    parallel.add_argument("--distributed-executor", choices=["auto", "mp", "ray"], default=None,
+                          help="who starts the ranks: mp (this machine's ranks as processes), ray (an actor per "
+                          "rank on a Ray cluster: pip install 'octavo[ray]'), auto (default): the launcher that "
+                          "started this process (torchrun, srun) when there is one, else mp")
     parallel.add_argument("--distributed-init", default=None, metavar="tcp://HOST:PORT",
-                          help="rendezvous of a multi-node engine (node 0 listens there)")
-    parallel.add_argument("--nnodes", type=int, default=None, help="machines the ranks are spread over")
+                          help="mp over several machines: the rendezvous (node 0 listens there)")
+    parallel.add_argument("--nnodes", type=int, default=None, help="mp: machines the ranks are spread over")
     parallel.add_argument("--node-rank", type=int, default=None,
-                          help="this machine's index; node 0 runs the engine, the others only worker ranks")
+                          help="mp: this machine's index; node 0 runs the engine, the others only worker ranks")
     parallel.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                           help="seconds a rank waits on another within a step before the engine stops")
+    parallel.add_argument("--rendezvous-timeout", type=float, default=None, metavar="S",
+                          help="seconds the ranks wait for each other at start-up (default 600: they load and "
+                          "may compile their programs)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -68,7 +79,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "nnodes": args.nnodes,
         "node_rank": args.node_rank,
         "collective_timeout": args.collective_timeout,
+        "rendezvous_timeout": args.rendezvous_timeout,
+        "distributed_executor": args.distributed_executor,
         "speculative": args.speculative,
+        "lora_modules": tuple(args.lora_modules) if args.lora_modules else None,
+        "max_loras": args.max_loras,
     }
     options = {key: value for key, value in options.items() if value is not None}
     if args.no_prefix_caching:
@@ -76,13 +91,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**options)
 
 
-def run_worker_node(args: argparse.Namespace) -> int | None:
-    """On a node other than node 0, run this node's worker ranks until the engine stops; else None."""
-    config = engine_config(args)
-    if config.node_rank == 0:
-        return None
-    from octavo.runtime.distributed.node import run_worker_node as run_node
+def follow_engine(args: argparse.Namespace) -> int | None:
+    """When this process is not rank 0 of its engine, run its ranks until the engine stops; else None.
 
-    error_console.print(f"node {config.node_rank} of {config.nnodes}: worker ranks of {args.artifact} "
-                        f"(rendezvous {config.distributed_init})")
-    return run_node(args.artifact, config)
+    Under torchrun or srun, ranks other than 0 run their rank program here; with
+    --node-rank R > 0, this machine starts its ranks and waits for them.
+    """
+    from octavo.parallel import follow
+
+    config = engine_config(args)
+    if config.node_rank > 0:
+        error_console.print(f"node {config.node_rank} of {config.nnodes}: worker ranks of {args.artifact} "
+                            f"(rendezvous {config.distributed_init})")
+    return follow(args.artifact, config)
+
+
+def create_engine(args: argparse.Namespace, config: EngineConfig | None = None):
+    """The engine of a command (rank 0 of a parallel engine, or a single process)."""
+    from octavo.parallel import create_engine as create
+
+    return create(args.artifact, config or engine_config(args))

@@ -42,6 +42,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--gptq-act-order", action="store_true",
                         help="w4-gptq, w4-awq-gptq: round columns by decreasing Hessian diagonal (group scales fixed "
                              "up front)")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                        help="serve this PEFT LoRA adapter (repeatable): an octavo.lora op is added beside every "
+                        "linear an adapter targets; the engine loads the adapters at start")
+    parser.add_argument("--lora-targets", default=None, metavar="MODULES",
+                        help="comma-separated module names that take adapters (default: what the --lora adapters "
+                        "target), e.g. q_proj,k_proj,v_proj,o_proj to load other adapters at run time")
+    parser.add_argument("--max-lora-rank", type=int, default=0, metavar="R",
+                        help="the largest rank an adapter may have (default: the largest --lora adapter's)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     parser.add_argument("--warmup", action="store_true",
                         help="then compile the graph for this machine into the cache, as `octavo warmup` does")
@@ -60,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
                            progress=True, quant=args.quant, group_size=args.group_size,
                            kv_cache_dtype=args.kv_cache_dtype, calibration=args.calibration,
                            gptq_act_order=args.gptq_act_order,
-                           vocab_quant=args.vocab_quant)
+                           vocab_quant=args.vocab_quant, lora_adapters=tuple(args.lora),
+                           lora_targets=tuple(_split([args.lora_targets] if args.lora_targets else [])),
+                           max_lora_rank=args.max_lora_rank)
     config = resolve_precision(config)
     start = time.perf_counter()
     with console.status("loading model") as status:

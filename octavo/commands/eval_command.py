@@ -1,4 +1,4 @@
-"""`octavo eval`: perplexity of an artifact on a text file or the built-in evaluation text."""
+"""`octavo eval`: perplexity of an artifact on a text file or a built-in evaluation text."""
 
 from __future__ import annotations
 
@@ -7,19 +7,21 @@ import json
 
 from tqdm.auto import tqdm
 
-from octavo.commands.common import add_engine_arguments, console, engine_config
-from octavo.eval.corpus import read_text, text_digest
+from octavo.commands.common import add_engine_arguments, console, create_engine, follow_engine
+from octavo.eval.corpus import text_digest
 from octavo.eval.perplexity import DEFAULT_STRIDE, DEFAULT_WINDOW, perplexity, plan_windows, tokenize_text
-from octavo.runtime.engine import LLMEngine
+from octavo.eval.sources import BUILTIN_NAMES, read_text
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("eval", help="perplexity of an artifact on a text (same tokens for every artifact "
                                                 "of a model)")
     parser.add_argument("artifact", help="artifact directory")
-    parser.add_argument("--perplexity", required=True, metavar="FILE|default",
-                        help="text or JSONL file (a \"text\" field per line), or `default`: the built-in evaluation "
-                             "text (Python standard library docstrings)")
+    parser.add_argument("--perplexity", required=True, metavar="FILE|NAME",
+                        help="text or JSONL file (a \"text\" field per line), or a built-in text the default "
+                             f"calibration never saw: {', '.join(BUILTIN_NAMES)} (default: the standard library's "
+                             "docstrings; code: its source; reference: the language reference; prose: English "
+                             "prose)")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
     parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help="tokens between window starts")
     parser.add_argument("--max-text-tokens", type=int, default=None, metavar="N",
@@ -30,12 +32,18 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     text = read_text(args.perplexity)
-    engine = LLMEngine(args.artifact, engine_config(args))
-    token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
-    windows = plan_windows(len(token_ids), args.window, args.stride)
-    with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
-        result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    engine = create_engine(args)
+    try:
+        token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
+        windows = plan_windows(len(token_ids), args.window, args.stride)
+        with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
+            result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     record = {**result.as_dict(), "text": args.perplexity, "text_sha256": text_digest(text),
               "artifact": args.artifact}
     if args.json:

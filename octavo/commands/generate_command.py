@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import RequestError
 from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
@@ -55,17 +55,31 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    stream_reply(llm, prompt, _sampling(args))
+    try:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        stream_reply(llm, prompt, _sampling(args))
+    finally:
+        llm.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     llm = LLM(args.artifact, **_config_kwargs(args))
+    try:
+        _chat(llm, args)
+    finally:
+        llm.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
+    return 0
+
+
+def _chat(llm: LLM, args: argparse.Namespace) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     error_console.print("chat: type a message, an empty line or Ctrl-D to quit")
     while True:
@@ -84,7 +98,6 @@ def run_chat(args: argparse.Namespace) -> int:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})
-    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -1,8 +1,21 @@
-"""`octavo inspect`: what an artifact holds, read from its manifest."""
+"""`octavo inspect`: what an artifact holds, read from its manifest; with --memory, what it takes once loaded.
+
+The manifest says how the weights are stored. What a loaded engine holds can differ: a kernel may keep
+a converted copy (the torch backend widens fp8, and w8 / w4 where ATen's packed matmuls do not apply, to
+bfloat16 or float32 at load; the compiled executor's library holds its own prepacked copy of the
+float weights). `--memory` loads the engine on this machine, as `generate` would with the same
+--backend and --executor, runs one short request (so that every memory-mapped weight has been read
+once, as in serving), and reports the process's resident memory before and after (Linux's VmRSS: the
+memory-mapped weights count once read) and the bytes of the weights the graph's kernels hold, by
+dtype. A compiled executor that had to compile first leaves the compiler's memory in the process:
+the report says so, and a second run (a warm start) measures what serving holds.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
+from pathlib import Path
 
 from rich.table import Table
 
@@ -16,6 +29,10 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("inspect", help="summarize an artifact: model, signature, ops, passes")
     parser.add_argument("artifact", help="artifact directory")
     parser.add_argument("--all-ops", action="store_true", help="list every op, not only the 25 most frequent")
+    parser.add_argument("--memory", action="store_true",
+                        help="load the engine here and report its resident memory and the weights its kernels hold")
+    parser.add_argument("--backend", default="auto", help="with --memory: the backend to load with (default: auto)")
+    parser.add_argument("--executor", default="auto", help="with --memory: the executor to load with (default: auto)")
     parser.set_defaults(run=run)
 
 
@@ -44,11 +61,77 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"inputs   {inputs} + {pools} cache pools")
     console.print(f"weights  {signature['num_weights']} tensors, {signature['weight_bytes'] / 2**20:.1f} MiB")
     console.print(f"graph    {manifest['node_count']} nodes")
+    _print_features(manifest.get("architecture_features") or [])
     console.print(_ops_table(manifest["op_histogram"], args.all_ops))
     if manifest.get("layers"):
         _print_layers(manifest["layers"])
     console.print(_passes_table(manifest["passes"]))
+    if args.memory:
+        _print_memory(measure_loaded_memory(Path(args.artifact), args.backend, args.executor))
     return 0
+
+
+MEMORY_KV_BLOCKS = 16
+"""KV blocks of the engine --memory loads: the cache is sized at serving time, so as little as runs."""
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory (VmRSS), None where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure_loaded_memory(artifact: Path, backend: str, executor: str) -> dict:
+    """Load an engine of `artifact` (MEMORY_KV_BLOCKS blocks) and measure it; see the module docstring."""
+    from octavo.config import EngineConfig
+    from octavo.runtime.engine import LLMEngine
+    from octavo.runtime.sampling_params import SamplingParams
+
+    before = resident_bytes()
+    engine = LLMEngine(artifact, EngineConfig(num_kv_blocks=MEMORY_KV_BLOCKS, backend=backend, executor=executor))
+    engine.add_request(list(range(3, 11)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = resident_bytes()
+    held: Counter = Counter()
+    seen: set[int] = set()
+    for tensor in [*engine.executor.graph_module.buffers(), *engine.executor.graph_module.parameters()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held[str(tensor.dtype).removeprefix("torch.")] += storage.nbytes()
+    kv_bytes = sum(tensor.nbytes for tensor in engine.kv_cache.tensors.values())
+    compiled_now = getattr(engine.executor, "compile_seconds", 0.0) > 0
+    return {"backend": engine.backend, "executor": engine.executor_kind, "weights": dict(held.most_common()),
+            "kv_bytes": kv_bytes, "resident_before": before, "resident_after": after, "compiled_now": compiled_now}
+
+
+def _print_memory(report: dict) -> None:
+    mib = 2**20
+    weights = ", ".join(f"{dtype} {size / mib:.1f}" for dtype, size in report["weights"].items())
+    console.print(f"memory   loaded here ({report['backend']} backend, {report['executor']} executor): weights held "
+                  f"by the kernels {sum(report['weights'].values()) / mib:.1f} MiB ({weights})", markup=False)
+    if report["resident_before"] is not None and report["resident_after"] is not None:
+        grown = report["resident_after"] - report["resident_before"]
+        console.print(f"         resident memory {report['resident_after'] / mib:.1f} MiB, {grown / mib:.1f} MiB of it "
+                      f"from loading and one request (KV cache of {MEMORY_KV_BLOCKS} blocks: "
+                      f"{report['kv_bytes'] / mib:.1f} MiB)", markup=False)
+    if report["compiled_now"]:
+        console.print("         (the graph was compiled just now, whose memory this includes: run again for a warm "
+                      "start's figure)", markup=False)
+
+
+def _print_features(features: list[dict]) -> None:
+    """The architecture's features (beyond a plain Llama) and the ops they became, with their node counts."""
+    for index, feature in enumerate(features):
+        nodes = f" ({feature['nodes']} nodes)" if feature.get("nodes") else ""
+        console.print(f"{'features' if index == 0 else '':<8} {feature['name']}: {feature['detail']} -> "
+                      f"{feature['ops']}{nodes}", markup=False)
 
 
 def _calibration_text(calibration: dict | None) -> str:

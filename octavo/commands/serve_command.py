@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from octavo.commands.common import add_engine_arguments, engine_config, error_console, run_worker_node
+from octavo.commands.common import add_engine_arguments, create_engine, error_console, follow_engine
 from octavo.errors import OctavoError
 from octavo.serve.context import DEFAULT_MAX_REQUEST_BYTES
 from octavo.serve.stream import DEFAULT_MAX_BACKLOG
@@ -35,6 +35,10 @@ def add_parser(subparsers) -> None:
                              f"{DEFAULT_MAX_BACKLOG})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients send (default: the ARTIFACT argument)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                        help="the format tool calls are read in when tool_choice is auto: hermes (<tool_call>, "
+                        "Hermes and Qwen), llama3_json, mistral ([TOOL_CALLS]); auto (default) picks it from the "
+                        "chat template")
     parser.add_argument("--grace-period", type=float, default=30.0, metavar="S",
                         help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are aborted")
     add_engine_arguments(parser)
@@ -42,7 +46,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.runtime.engine import LLMEngine
     from octavo.serve.app import build_app
     from octavo.serve.async_engine import AsyncEngine
     from octavo.serve.context import ServerSettings
@@ -55,17 +58,20 @@ def run(args: argparse.Namespace) -> int:
             raise OctavoError(f"{flag} must be >= {0 if option == 'max_waiting' else 1}, got {value}")
     if args.grace_period < 0:
         raise OctavoError(f"--grace-period must be >= 0, got {args.grace_period}")
-    node_exit = run_worker_node(args)
-    if node_exit is not None:
-        return node_exit
-    engine = LLMEngine(args.artifact, engine_config(args))
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
+    engine = create_engine(args)
     settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
                               max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
                               max_request_bytes=args.max_request_bytes, tokenizer_threads=args.tokenizer_threads,
-                              grace_period_s=args.grace_period)
+                              grace_period_s=args.grace_period, tool_call_parser=args.tool_call_parser)
     app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
     error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
                         f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")
-    if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
-        raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    try:
+        if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
+            raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+    finally:
+        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0

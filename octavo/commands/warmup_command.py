@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from octavo.commands.common import add_engine_arguments, console, engine_config
+from octavo.commands.common import add_engine_arguments, console, engine_config, follow_engine
 from octavo.runtime.sampling_params import SamplingParams
 
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -20,6 +20,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    follower_exit = follow_engine(args)
+    if follower_exit is not None:
+        return follower_exit
     warm_up(args.artifact, engine_config(args))
     return 0
 
@@ -28,17 +31,19 @@ def warm_up(artifact: str, config) -> float:
     """Load `artifact` as an engine with `config`, run one short request; print and return the seconds taken.
 
     The engine compiles its graph into the cache when it is not there yet (a
-    cold start); the request pays each step shape's first-call costs.
+    cold start); the request pays each step shape's first-call costs. Every
+    rank of a parallel engine compiles its own program; rank 0's is reported.
     """
-    from octavo.runtime.engine import LLMEngine
+    from octavo.parallel import create_engine
 
     start = time.perf_counter()
-    engine = LLMEngine(artifact, config)
+    engine = create_engine(artifact, config)
     engine.add_request(WARMUP_PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - start
-    executor = engine.executor
+    executor = engine.parallel.state.executor if engine.parallel is not None else engine.executor
+    engine.shutdown()
     if executor.kind == "compiled":
         how = (f"compiled the graph in {executor.compile_seconds:.1f}s (cold)" if executor.compile_seconds
                else f"loaded the compiled graph in {executor.load_seconds:.2f}s (warm)")

@@ -1,5 +1,7 @@
 """Offline English text: the Python standard library's module docstrings, and reading user text files.
 
+(The other kinds of text and the calibration mix: octavo.eval.kinds; text by name: octavo.eval.sources.)
+
 The default text needs no download and is on every machine: the docstrings at the top of
 the standard library's own source files (read as literals with the tokenizer, never by
 importing a module), in sorted path order, each at least MIN_DOCSTRING_CHARS long, joined
@@ -69,14 +71,12 @@ def module_docstring(path: Path) -> str | None:
     return None
 
 
-def read_text(source: str) -> str:
-    """Text from `source`: "default" (the evaluation part), or a file of plain text or JSONL.
+def read_text_file(source: str) -> str:
+    """Text from a file of plain text or JSONL.
 
     A JSONL file (suffix .jsonl, or every non-empty line a JSON object) contributes the
     "text" field of each line, joined by blank lines.
     """
-    if source == "default":
-        return default_text("evaluation")
     path = Path(source).expanduser()
     try:
         content = path.read_text(encoding="utf-8")
@@ -88,11 +88,6 @@ def read_text(source: str) -> str:
     if not content.strip():
         raise OctavoError(f"text file {path} is empty")
     return content
-
-
-def calibration_text(source: str | None) -> str:
-    """The calibration text: the default calibration part (None or "default") or a user file."""
-    return default_text("calibration") if source in (None, "default") else read_text(source)
 
 
 def text_digest(text: str) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from octavo.errors import ModelSourceError
 from octavo.frontend.architectures import Architecture, architecture_for
+from octavo.frontend.features import check_supported
 from octavo.frontend.gguf_reader import architecture_of, read_gguf, sharing, special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -53,21 +54,24 @@ class ModelSource:
         return self.path.parent if self.gguf_file else self.path
 
     def load_module(self, dtype: str) -> torch.nn.Module:
-        """The Hugging Face model in eval mode, with SDPA attention, weights in `dtype`.
+        """The Hugging Face model in eval mode, weights in `dtype`, with SDPA attention (eager where the
+        architecture's SDPA path would drop part of its attention) and traceable experts
+        (Architecture.load_options).
 
         A GGUF source reuses the metadata parsed by load_model, then lets it go (it holds
         ~170 MB of small objects for a 49k vocabulary; a later load parses the file again).
         """
         from transformers import AutoModelForCausalLM
 
+        options = self.architecture.load_options(self.config)
         if not self.gguf_file:
             return AutoModelForCausalLM.from_pretrained(
-                self.directory, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa", local_files_only=True).eval()
+                self.directory, dtype=TORCH_DTYPES[dtype], local_files_only=True, **options).eval()
         reader, self._gguf_reader = self._gguf_reader or read_gguf(self.path), None
         with sharing(reader, self.path):
             model = AutoModelForCausalLM.from_pretrained(
-                self.directory, gguf_file=self.gguf_file, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa",
-                local_files_only=True)
+                self.directory, gguf_file=self.gguf_file, dtype=TORCH_DTYPES[dtype], local_files_only=True,
+                **options)
         return model.eval()
 
     def quantized_weights(self) -> dict:
@@ -151,7 +155,7 @@ def _from_directory(path: Path) -> ModelSource:
         raise ModelSourceError(f"{path} has config.json but no *.safetensors weights")
     _check_model_type(_config_model_type(path / "config.json"))
     config = _read_config(lambda: AutoConfig.from_pretrained(path, local_files_only=True), path)
-    architecture = architecture_for(config)
+    architecture = check_supported(config)
     tokenizer = _read_tokenizer(lambda: AutoTokenizer.from_pretrained(path, local_files_only=True), path)
     checksum = _sha256_files([path / "config.json", *weight_files])
     return ModelSource(path.name, "hf_dir", path, config, tokenizer, architecture, checksum)
@@ -166,7 +170,7 @@ def _from_gguf(name: str, path: Path, kind: str) -> ModelSource:
     with sharing(reader, path):
         config = _read_config(
             lambda: AutoConfig.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
-        architecture = architecture_for(config)
+        architecture = check_supported(config)
         tokenizer = _read_tokenizer(
             lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True), path)
     _use_gguf_special_tokens(tokenizer, special_token_ids(reader), path)

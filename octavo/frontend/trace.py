@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import Dim
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Graph, GraphModule
 
 from octavo.errors import OctavoError
+from octavo.frontend.rope_compat import traceable_longrope
 from octavo.frontend.sources import ModelSource
 from octavo.frontend.token_guards import MIN_NUM_TOKENS, check_token_dimension
 from octavo.ir.graph_inputs import TOKEN_INPUTS
@@ -75,7 +76,7 @@ def trace_module(module: torch.nn.Module) -> TracedModel:
     # The guards are checked below instead, so that a program specialized to some token counts is still refused.
     num_tokens = Dim.DYNAMIC(min=MIN_NUM_TOKENS)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), traceable_longrope(module):
             program = torch.export.export(
                 wrapper, example, dynamic_shapes={name: {0: num_tokens} for name in TOKEN_INPUTS}, strict=False)
     except Exception as error:
@@ -117,7 +118,10 @@ def _rename_inputs(program: torch.export.ExportedProgram) -> TracedModel:
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            (logits,) = node.args[0]
+            # Buffers the model updates in place (longrope's inv_freq) are outputs too: only the logits stay.
+            kinds = [spec.kind for spec in program.graph_signature.output_specs]
+            (logits,) = [value for value, kind in zip(node.args[0], kinds, strict=True)
+                         if kind == OutputKind.USER_OUTPUT]
             new_graph.output(env[logits])
             continue
         env[node] = new_graph.node_copy(node, lambda n: env[n])

@@ -58,6 +58,7 @@ class PassContext:
     merged_weights: dict[str, list[str]] = field(default_factory=dict)
     calibration: Any = None
     quantization: dict | None = None
+    lora: dict | None = None  # insert_lora's layout of the LoRA factor inputs, for the manifest
 
     def symbol(self, name: str) -> torch.SymInt:
         """The SymInt called `name`, created (as a fresh dynamic symbol) on first use."""

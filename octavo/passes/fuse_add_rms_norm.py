@@ -69,10 +69,11 @@ def _fuse(graph_module: GraphModule, norm: Node) -> bool:
     if not (same_shape(values[0], values[1]) and same_shape(values[0], values[2])):
         return False
     graph = graph_module.graph
-    _, weight, eps = norm.args
+    _, weight, eps, *multiply_in_float32 = norm.args
     # Right after the add: the add's other users all come later, and its operands come earlier.
     with graph.inserting_after(add):
-        fused = graph.call_function(octavo.fused_add_rms_norm.default, (x, residual, weight, eps))
+        fused = graph.call_function(octavo.fused_add_rms_norm.default,
+                                    (x, residual, weight, eps, *multiply_in_float32))
     with graph.inserting_after(fused):
         normed = graph.call_function(operator.getitem, (fused, 0))
     with graph.inserting_after(normed):

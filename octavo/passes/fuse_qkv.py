@@ -33,7 +33,8 @@ def fuse_qkv(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     The outputs equal the separate projections (bit for bit on the torch
     CPU backend, whose GEMM reduces each output element the same way).
     Runs after match_attention. Stats: merged_qkv (groups), merged_linears.
-    Raises PassError when no attention's projections could be merged.
+    Raises PassError when no attention's projections could be merged, unless the
+    checkpoint already stores them merged (Architecture.fused_projections, Phi-3).
     """
     attentions = find_nodes(graph_module, octavo.paged_attention.default)
     if not attentions:
@@ -45,7 +46,7 @@ def fuse_qkv(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         merge_linears(graph_module, ctx, group, "qkv_proj")
         groups, linears = groups + 1, linears + len(group)
-    if not groups:
+    if not groups and not ctx.architecture.fused_projections:
         raise PassError(f"fuse_qkv could not merge the projections of any of {len(attentions)} attention nodes")
     ctx.stats.update({"merged_qkv": groups, "merged_linears": linears})
     return graph_module

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -165,14 +166,24 @@ def _fuse_pair(graph_module: GraphModule, pair: tuple[RopeApplication, RopeAppli
 
 def _add_cache(graph_module: GraphModule, ctx: PassContext, cos: Node, sin: Node, positions: Node | None,
                index: int) -> Node:
-    """The weight holding cos and sin for every position, evaluated from the traced subgraph."""
-    if positions is None or positions not in ancestors([cos, sin]):
+    """The weight holding cos and sin for every position, evaluated from the traced subgraph.
+
+    Where the subgraph picks its frequencies by the batch's largest position (longrope's
+    `max(positions) + 1 > original_max_position_embeddings`), each position's row is
+    evaluated as the last position of its batch: the rotation Hugging Face gives that
+    position when it is the newest token of a sequence (generation over a KV cache).
+    """
+    needed = ancestors([cos, sin])
+    if positions is None or positions not in needed:
         raise PassError("fuse_rope: the rotary cos/sin do not depend on the positions input")
     num_positions = _num_positions(ctx)
-    position_values = torch.arange(num_positions, dtype=torch.int64)
-    cos_values, sin_values = evaluate_subgraph(
-        graph_module, [cos, sin], ctx, inputs={POSITIONS: position_values},
-        shape_only={INPUT_IDS: torch.zeros(num_positions, dtype=torch.int64)})
+    parts = []
+    for start, end in position_segments(needed, positions, num_positions):
+        parts.append(evaluate_subgraph(
+            graph_module, [cos, sin], ctx, inputs={POSITIONS: torch.arange(start, end, dtype=torch.int64)},
+            shape_only={INPUT_IDS: torch.zeros(end - start, dtype=torch.int64)}))
+    cos_values = torch.cat([part[0] for part in parts], dim=1)
+    sin_values = torch.cat([part[1] for part in parts], dim=1)
     expected = (1, num_positions, tensor_value(cos).shape[-1])
     if tuple(cos_values.shape) != expected or tuple(sin_values.shape) != expected:
         raise PassError(f"fuse_rope: the cos/sin subgraph gave shapes {tuple(cos_values.shape)} and "
@@ -180,6 +191,39 @@ def _add_cache(graph_module: GraphModule, ctx: PassContext, cos: Node, sin: Node
     cache = torch.stack([cos_values[0], sin_values[0]], dim=1).contiguous()
     name = CACHE_NAME if index == 0 else f"{CACHE_NAME}_{index}"
     return ctx.add_weight(graph_module, name, cache)
+
+
+def position_segments(needed: set[Node], positions: Node, num_positions: int) -> list[tuple[int, int]]:
+    """Ranges of positions [start, end) whose cos/sin rows one evaluation gives exactly.
+
+    Without a reduction over the positions the whole range is one segment. A reduction
+    (amax/max) may only be compared with a number, possibly after adding one:
+    `gt(amax(positions) + k, c)` (or ge) is the same for every batch whose largest position
+    lies on one side of the threshold, so the range splits there and each segment is
+    evaluated alone (its largest position decides, as for its own last position).
+    """
+    cuts = set()
+    for node in needed:
+        if not is_call(node, aten.amax.default, aten.max.default) or positions not in ancestors([node]):
+            continue
+        cuts.add(_threshold(node))
+    bounds = sorted({0, num_positions, *(cut for cut in cuts if 0 < cut < num_positions)})
+    return list(itertools.pairwise(bounds))
+
+
+def _threshold(reduction: Node) -> int:
+    """The first largest position at which `cmp(reduction + k, c)` turns true (see position_segments)."""
+    node, offset = reduction, 0
+    if len(node.users) == 1 and is_call(next(iter(node.users)), aten.add.Tensor):
+        add = next(iter(node.users))
+        if isinstance(add.args[1], int):
+            node, offset = add, add.args[1]
+    comparison = next(iter(node.users)) if len(node.users) == 1 else None
+    if is_call(comparison, aten.gt.Scalar, aten.ge.Scalar) and isinstance(comparison.args[1], int | float):
+        limit = comparison.args[1] - offset
+        return int(limit) + 1 if comparison.target is aten.gt.Scalar else int(-(-limit // 1))
+    raise PassError(f"fuse_rope: the rotary tables depend on the batch's largest position through "
+                    f"{reduction.name} in a form Octavo cannot tabulate per position")
 
 
 def _num_positions(ctx: PassContext) -> int:

@@ -1,4 +1,4 @@
-"""match_attention: SDPA + GQA repeat_kv + causal mask -> octavo.paged_attention."""
+"""match_attention: SDPA or eager attention + GQA repeat_kv + causal mask -> octavo.paged_attention."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
-from octavo.ir.graph import find_nodes
+from octavo.passes.attention_patterns import AttentionSite, find_attention_sites
 from octavo.passes.canonicalize import eliminate_dead_nodes, is_full_slice
 from octavo.passes.context import PassContext
 from octavo.passes.registry import register_pass
@@ -23,13 +23,16 @@ _REPEAT_KV_VIEWS = {aten._unsafe_view.default, aten.view.default, aten.reshape.d
 
 @register_pass(
     "match_attention",
-    "replace each scaled_dot_product_attention (with its GQA repeat and causal mask) by octavo.paged_attention",
+    "replace each attention (SDPA or eager, with its GQA repeat and causal mask) by octavo.paged_attention",
     required=True,
 )
 def match_attention(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
-    """Rewrite every `aten.scaled_dot_product_attention` into `octavo.paged_attention`.
+    """Rewrite every attention into `octavo.paged_attention`.
 
-    Each SDPA of the traced graph sees q [1, Hq, T, D] and k/v [1, Hq, T, D]
+    An attention is an `aten.scaled_dot_product_attention` or transformers' eager
+    attention (matmul, scale, optional tanh soft-cap, mask, softmax, matmul; see
+    attention_patterns). A soft-cap becomes the op's `soft_cap` argument.
+    Each attention of the traced graph sees q [1, Hq, T, D] and k/v [1, Hq, T, D]
     repeated from [1, Hkv, T, D] (or not repeated, with enable_gqa). The
     replacement takes the *unrepeated* k/v as [T, Hkv, D], so the cache
     stores kv heads only, and returns [T, Hq, D] permuted back to SDPA's
@@ -39,21 +42,26 @@ def match_attention(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     The causal mask subgraph (and the repeat) become dead and are removed;
     the mask's meaning (causal, per-sequence, sliding window from the config)
     is carried by paged_attention's definition. Raises if nothing matched.
+    Stats: replaced_sdpa, replaced_eager, removed_repeat_kv, soft_caps (per
+    layer, 0 for none), dead_nodes.
     """
-    sdpa_nodes = find_nodes(graph_module, aten.scaled_dot_product_attention.default)
-    if not sdpa_nodes:
-        raise PassError("match_attention found no scaled_dot_product_attention node: the model was not traced "
-                        "with attn_implementation='sdpa' or its attention is not supported")
+    sites = find_attention_sites(graph_module)
+    if not sites:
+        raise PassError("match_attention found no scaled_dot_product_attention and no eager attention "
+                        "(matmul, softmax, matmul): the model's attention is not supported")
     windows = ctx.architecture.sliding_windows(ctx.model_config)
-    if len(windows) != len(sdpa_nodes):
-        raise PassError(f"match_attention found {len(sdpa_nodes)} attention nodes for "
+    if len(windows) != len(sites):
+        raise PassError(f"match_attention found {len(sites)} attention nodes for "
                         f"{len(windows)} layers in the config")
     metadata = _add_metadata_inputs(graph_module, ctx)
-    layers = [_replace_sdpa(graph_module, ctx, node, index, windows[index], metadata)
-              for index, node in enumerate(sdpa_nodes)]
+    layers = [_replace_attention(graph_module, ctx, site, index, windows[index], metadata)
+              for index, site in enumerate(sites)]
     ctx.kv_layout = _kv_layout(ctx, layers, windows)
+    eager = sum(1 for site in sites if site.output.target is not aten.scaled_dot_product_attention.default)
     ctx.stats.update({
-        "replaced_sdpa": len(sdpa_nodes),
+        "replaced_sdpa": len(sites) - eager,
+        "replaced_eager": eager,
+        "soft_caps": [site.soft_cap for site in sites],
         "removed_repeat_kv": sum(layer["repeated"] for layer in layers),
         "dead_nodes": eliminate_dead_nodes(graph_module),
     })
@@ -71,34 +79,34 @@ def _add_metadata_inputs(graph_module: GraphModule, ctx: PassContext) -> dict[st
             for name, (shape, dtype) in specs.items()}
 
 
-def _replace_sdpa(graph_module: GraphModule, ctx: PassContext, sdpa: Node, layer: int, window: int,
-                  metadata: dict[str, Node]) -> dict:
-    query, key, value = sdpa.args[:3]
-    if sdpa.kwargs.get("dropout_p", 0.0) or (len(sdpa.args) > 4 and sdpa.args[4]):
-        raise PassError(f"attention {sdpa.name} uses dropout; trace the model in eval mode")
+def _replace_attention(graph_module: GraphModule, ctx: PassContext, site: AttentionSite, layer: int, window: int,
+                       metadata: dict[str, Node]) -> dict:
+    query, key, value, output = site.query, site.key, site.value, site.output
     key_heads, repeated_key = _strip_repeat_kv(key)
     value_heads, repeated_value = _strip_repeat_kv(value)
     query_shape = query.meta["val"].shape
     key_shape = key_heads.meta["val"].shape
     head_dim = int(query_shape[-1])
-    scale = sdpa.kwargs.get("scale") or 1.0 / math.sqrt(head_dim)
+    scale = site.scale or 1.0 / math.sqrt(head_dim)
     cache_shape = ["num_blocks", ctx.config.block_size, int(key_shape[1]), int(key_shape[-1])]
     cache_dtype = key_heads.meta["val"].dtype
     key_cache = ctx.add_runtime_input(graph_module, f"key_cache_{layer}", cache_shape, cache_dtype, "key_cache")
     value_cache = ctx.add_runtime_input(graph_module, f"value_cache_{layer}", cache_shape, cache_dtype,
                                         "value_cache")
     graph = graph_module.graph
-    with graph.inserting_before(sdpa):
+    # The scale caches (None: not quantized) sit between the window and the soft-cap.
+    soft_cap = (None, None, site.soft_cap) if site.soft_cap else ()
+    with graph.inserting_before(output):
         flat = [graph.call_function(aten.select.int, (graph.call_function(aten.permute.default,
                                                                           (tensor, [0, 2, 1, 3])), 0, 0))
                 for tensor in (query, key_heads, value_heads)]
         attention = graph.call_function(octavo.paged_attention.default, (
             *flat, key_cache, value_cache, metadata["slot_mapping"], metadata["block_tables"],
-            metadata["seq_lens"], metadata["query_start_loc"], float(scale), window))
+            metadata["seq_lens"], metadata["query_start_loc"], float(scale), window, *soft_cap))
         batched = graph.call_function(aten.unsqueeze.default, (attention, 0))
         result = graph.call_function(aten.permute.default, (batched, [0, 2, 1, 3]))
-    sdpa.replace_all_uses_with(result)
-    graph.erase_node(sdpa)
+    output.replace_all_uses_with(result)
+    graph.erase_node(output)
     return {"num_kv_heads": int(key_shape[1]), "head_dim": int(key_shape[-1]), "num_heads": int(query_shape[1]),
             "dtype": str(cache_dtype).removeprefix("torch."), "repeated": int(repeated_key or repeated_value)}
 

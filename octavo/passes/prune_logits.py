@@ -13,7 +13,10 @@ aten = torch.ops.aten
 
 # Ops that may sit between the lm_head linear and the graph output.
 _PASS_THROUGH = {aten.select.int, aten.view.default, aten._to_copy.default, aten.slice.Tensor,
-                 aten.squeeze.dim, aten.clone.default, aten.reshape.default, aten._unsafe_view.default}
+                 aten.squeeze.dim, aten.clone.default, aten.reshape.default, aten._unsafe_view.default,
+                 aten.tanh.default}
+# Row-wise ops with a number as second operand (Gemma's final soft-cap: tanh(logits / cap) * cap).
+_SCALAR_PASS_THROUGH = {aten.div.Tensor, aten.mul.Tensor}
 
 
 @register_pass("prune_logits", "compute the lm_head only on the rows listed in logits_indices", required=True)
@@ -23,7 +26,9 @@ def prune_logits(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
     The traced output is logits [T, V] for every token; afterwards it is
     logits [N, V] for the N token rows in the new runtime input
     `logits_indices` (int64 [N]), in that order. Everything before the
-    lm_head still runs on all T tokens (the KV cache needs them).
+    lm_head still runs on all T tokens (the KV cache needs them). Between the
+    lm_head and the output there may be views, casts and row-wise ops with a
+    number operand (a final logit soft-cap), which then run on the N rows.
     """
     lm_head = _find_lm_head(graph_module)
     hidden = lm_head.args[0]
@@ -40,7 +45,9 @@ def prune_logits(graph_module: GraphModule, ctx: PassContext) -> GraphModule:
 
 def _find_lm_head(graph_module: GraphModule) -> Node:
     node = graph_module.graph.output_node().args[0]
-    while isinstance(node, Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+    while isinstance(node, Node) and node.op == "call_function" and (
+            node.target in _PASS_THROUGH
+            or (node.target in _SCALAR_PASS_THROUGH and len(node.args) == 2 and isinstance(node.args[1], float))):
         node = node.args[0]
     if not (isinstance(node, Node) and node.target is aten.linear.default):
         raise PassError("prune_logits found no lm_head linear feeding the graph output")

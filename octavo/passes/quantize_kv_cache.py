@@ -53,7 +53,7 @@ def quantize_kv_cache(graph_module: GraphModule, ctx: PassContext) -> GraphModul
     scale_shape = ["num_blocks", layout["block_size"], layout["num_kv_heads"]]
     scale_inputs = []
     for index, attention in enumerate(attentions):
-        if len(attention.args) > _SCALE_ARGUMENT or attention.kwargs:
+        if any(arg is not None for arg in attention.args[_SCALE_ARGUMENT:_SCALE_ARGUMENT + 2]) or attention.kwargs:
             raise PassError(f"{attention.name} already has KV scale inputs")
         for cache in attention.args[3:5]:
             cache.meta["val"] = ctx.fake_tensor(ctx.runtime_inputs[cache.name]["shape"], dtype)
@@ -62,7 +62,8 @@ def quantize_kv_cache(graph_module: GraphModule, ctx: PassContext) -> GraphModul
         scales = [ctx.add_runtime_input(graph_module, name, scale_shape, torch.float32, role)
                   for name, role in zip(names, ("key_scale_cache", "value_scale_cache"), strict=True)]
         window = attention.args[10] if len(attention.args) > 10 else -1
-        attention.args = (*attention.args[:10], window, *scales)
+        # Arguments after the scale caches (a soft-cap) stay.
+        attention.args = (*attention.args[:10], window, *scales, *attention.args[_SCALE_ARGUMENT + 2:])
         scale_inputs.append(names)
     layout.update(cache_dtype=str(dtype).removeprefix("torch."), scale_dtype="float32", scale_layout=SCALE_LAYOUT,
                   scale_inputs=scale_inputs)

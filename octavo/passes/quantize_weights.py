@@ -33,8 +33,10 @@ keeps exactly (perplexity 14.39, equal to fp32's 14.39), while groups of 64 and 
 round them again (18.61 and 22.86: +29% and +59%) to save 0.5 and 0.75 bit per weight. 32
 is also GGUF's own Q4 block, so imported and RTN artifacts share one kernel configuration.
 
-Stats: quantized_linears, quantized_vocab, provided (values stored as supplied),
-left_float, bytes_before, bytes_after.
+The experts of mixture-of-experts nodes are quantized by quantize_experts (its docstring).
+
+Stats: quantized_linears, quantized_vocab, provided (values stored as supplied), quantized_moe
+(octavo.moe nodes whose experts were quantized, when there are some), left_float, bytes_before, bytes_after.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from octavo.ir.quantized_layout import FP8, W4, W8, QuantizedWeight, concat_rows
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, is_weight
 from octavo.passes.quant_schemes import QuantScheme, scheme_for
+from octavo.passes.quantize_experts import quantize_experts
 from octavo.passes.registry import register_pass
 
 logger = logging.getLogger(__name__)
@@ -93,6 +96,9 @@ def quantize_weights(graph_module: GraphModule, ctx: PassContext) -> GraphModule
         origins[quantized.origin] += 1
     if not counts["quantized_linears"]:
         raise PassError(f"quantize_weights ({scheme.name}) found no linear it could quantize")
+    moe_nodes = quantize_experts(graph_module, ctx, scheme, left_float)
+    if moe_nodes:
+        counts["quantized_moe"] = moe_nodes
     bytes_after = sum(t.numel() * t.element_size() for t in ctx.weights.values())
     ctx.quantization = {**(ctx.quantization or {}), **_record(scheme, ctx, origins, vocab_record, left_float,
                                                               bytes_before, bytes_after)}

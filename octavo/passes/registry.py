@@ -25,12 +25,13 @@ class PassInfo:
 PASSES: dict[str, PassInfo] = {}
 
 PIPELINES: dict[str, list[str]] = {
-    "default": ["canonicalize", "match_attention", "prune_logits", "fuse_rms_norm", "fuse_add_rms_norm",
-                "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope", "fuse_pointwise",
+    "default": ["canonicalize", "match_attention", "prune_logits", "match_moe", "fuse_rms_norm", "fuse_add_rms_norm",
+                "fuse_qkv", "fuse_gate_up", "insert_lora", "fuse_activation", "fuse_rope", "fuse_pointwise",
                 "quantize_weights", "quantize_kv_cache", "narrow_weights"],
 }
 
 OPTIONAL_PASSES: dict[str, Callable[[object], bool]] = {
+    "insert_lora": lambda config: bool(config.lora_targets),  # LoRA adapters asked for at compile time
     "quantize_weights": lambda config: config.quant != "none",
     "quantize_kv_cache": lambda config: config.kv_cache_dtype != "auto",
     # float32 compute over 16-bit weights (--weight-dtype)

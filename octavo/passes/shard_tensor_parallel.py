@@ -13,6 +13,7 @@ from octavo.ir.graph import find_nodes, op_name
 from octavo.passes.context import PassContext
 from octavo.passes.pattern_utils import is_call, is_weight, only_user
 from octavo.passes.registry import register_pass
+from octavo.passes.tensor_parallel_experts import expert_shard
 from octavo.passes.tensor_parallel_layout import (
     column_range,
     even_share,
@@ -22,7 +23,16 @@ from octavo.passes.tensor_parallel_layout import (
     vocab_rows,
     vocab_shard,
 )
-from octavo.passes.tensor_parallel_patterns import LINEARS, VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
+from octavo.passes.tensor_parallel_patterns import VIEWS, find_lm_head, gate_and_up, rewrite_head_counts
+from octavo.passes.tensor_parallel_weights import (
+    EMBEDDINGS,
+    LINEARS,
+    args_of,
+    bias_of,
+    column_slices,
+    in_features,
+    weight_tensor_nodes,
+)
 
 aten = torch.ops.aten
 octavo = torch.ops.octavo
@@ -36,6 +46,7 @@ _LAYOUT_OPS = (aten.transpose.int, aten.permute.default, aten.select.int, aten.u
 # hidden states, or per head on whole heads).
 _REPLICATED_WEIGHT_OPS = (octavo.rms_norm.default, octavo.fused_add_rms_norm.default,
                           octavo.rotary_embedding.default)
+_MERGED_GATES = (octavo.silu_and_mul.default, octavo.gelu_and_mul.default)
 
 
 @register_pass("shard_tensor_parallel",
@@ -58,17 +69,24 @@ def shard_tensor_parallel(graph_module: GraphModule, ctx: PassContext) -> GraphM
       fused_pointwise computing exactly that):
       gate and up keep intermediate columns ``[r*I/tp, (r+1)*I/tp)``, down_proj
       the matching input columns, followed by ``octavo.all_reduce``.
+    - Mixture of experts (per ``octavo.moe``): every expert split by its
+      intermediate columns like a gated MLP (tensor_parallel_experts says why
+      not expert parallelism), the router replicated, followed by
+      ``octavo.all_reduce``. A linear with one output feature on the MoE's
+      input (Qwen2-MoE's shared-expert gate) is computed whole on every rank.
     - Embedding: the rank holds vocabulary rows ``[r*ceil(V/tp), ...)``
       (zero-padded past V); ids outside them look up row 0 and are zeroed;
       ``octavo.all_reduce`` sums the one rank's row with zeros.
     - lm_head: the same vocabulary rows; the rank's logits columns are joined
       by ``octavo.all_gather`` along the last dim and cut back to V columns.
+    - Quantized linears and embeddings (w8, w4, fp8) split the same way, their
+      qweight, scales and offsets together; by input columns only on whole
+      quantization groups (see tensor_parallel_weights).
 
     The KV layout in ``ctx.kv_layout`` becomes the rank's (its head counts).
     Sizes that do not divide raise PassError naming them; so does any op that
-    reads a weight and is not one of the above or a norm/rotary op (quantized
-    linears, for instance, are not sharded yet). Stats: tp_size, tp_rank,
-    attention_layers, mlp_layers, all_reduce, all_gather.
+    reads a weight and is not one of the above or a norm/rotary op. Stats: tp_size, tp_rank,
+    attention_layers, mlp_layers, all_reduce, all_gather, and moe_layers when there are some.
     """
     position = ctx.rank
     if position is None or position.tp_size == 1:
@@ -99,7 +117,7 @@ class _Sharder:
     handled: set[Node] = field(default_factory=set)
     sliced: dict[str, tuple] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("attention_layers", "mlp_layers", "all_reduce", "all_gather"), 0))
+        ("attention_layers", "mlp_layers", "all_reduce", "all_gather", "moe_layers"), 0))
 
     def run(self) -> None:
         layout = self.ctx.kv_layout
@@ -112,13 +130,18 @@ class _Sharder:
             self._shard_attention(attention)
         for gate in self._gated_mlps():
             self._shard_mlp(gate)
-        for embedding in find_nodes(self.graph_module, aten.embedding.default):
+        for moe in find_nodes(self.graph_module, octavo.moe.default):
+            self._shard_moe(moe)
+        for gate in self._scalar_gates():
+            self.handled.add(gate)
+        for embedding in [node for op in EMBEDDINGS for node in find_nodes(self.graph_module, op)]:
             self._shard_embedding(embedding)
         self._shard_lm_head()
         self._check_every_weight_user_handled()
         self.ctx.kv_layout = {**layout, "num_heads": len(self.heads.q_heads),
                               "num_kv_heads": len(self.heads.kv_heads)}
-        self.ctx.stats.update({"tp_size": self.tp_size, "tp_rank": self.tp_rank, **self.counts})
+        counts = {name: count for name, count in self.counts.items() if count or name != "moe_layers"}
+        self.ctx.stats.update({"tp_size": self.tp_size, "tp_rank": self.tp_rank, **counts})
 
     # ---- attention ----
 
@@ -221,12 +244,12 @@ class _Sharder:
     # ---- MLP ----
 
     def _gated_mlps(self) -> list[Node]:
-        """The gating nodes: silu_and_mul, silu(gate) * up, or a fused_pointwise computing the latter."""
+        """The gating nodes: silu_and_mul, gelu_and_mul, silu(gate) * up, or a fused_pointwise computing it."""
         return [node for node in self.graph_module.graph.nodes
-                if is_call(node, octavo.silu_and_mul.default) or gate_and_up(node) is not None]
+                if is_call(node, *_MERGED_GATES) or gate_and_up(node) is not None]
 
     def _shard_mlp(self, gate: Node) -> None:
-        if is_call(gate, octavo.silu_and_mul.default):
+        if is_call(gate, *_MERGED_GATES):
             self._shard_fused_gate_up(gate)
         else:
             self._shard_unfused_gate_up(gate, *gate_and_up(gate))
@@ -234,14 +257,13 @@ class _Sharder:
         if not (is_call(down, *LINEARS) and down.args[0] is gate and is_weight(down.args[1], self.ctx)):
             raise PassError(f"shard_tensor_parallel: the gated MLP output {gate.name} does not feed one down "
                             "projection linear")
-        self._shard_row_parallel(down, self._intermediate_columns(down.args[1]))
+        self._shard_row_parallel(down, self._intermediate_columns(down))
         self.counts["mlp_layers"] += 1
 
-    def _intermediate_columns(self, down_weight: Node) -> range:
-        if down_weight.name in self.sliced:
-            raise PassError(f"shard_tensor_parallel: down projection weight {down_weight.name} is read twice")
-        size = int(self.ctx.weights[down_weight.name].shape[1])
-        return even_share(size, self.tp_size, self.tp_rank, "MLP intermediate size")
+    def _intermediate_columns(self, down: Node) -> range:
+        if down.args[1].name in self.sliced:
+            raise PassError(f"shard_tensor_parallel: down projection weight {down.args[1].name} is read twice")
+        return even_share(in_features(down, self.ctx.weights), self.tp_size, self.tp_rank, "MLP intermediate size")
 
     def _shard_fused_gate_up(self, gate: Node) -> None:
         merged = gate.args[0]
@@ -280,14 +302,37 @@ class _Sharder:
         raise PassError(f"shard_tensor_parallel: an input of the gated MLP {gate.name} comes from "
                         f"{_describe(node)}, not a linear")
 
+    # ---- mixtures of experts ----
+
+    def _shard_moe(self, moe: Node) -> None:
+        """Every expert split by intermediate columns (tensor_parallel_experts), then all_reduce."""
+        for index, (key, make_slice) in expert_shard(moe.args, self.ctx.weights, self.tp_size, self.tp_rank).items():
+            self._slice_weight(moe.args[index], key, make_slice)
+        graph = self.graph_module.graph
+        with graph.inserting_before(moe.next):
+            reduced = graph.call_function(octavo.all_reduce.default, (moe, GROUP, self.tp_size))
+        moe.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.handled.add(moe)
+        self.counts["moe_layers"] += 1
+        self.counts["all_reduce"] += 1
+
+    def _scalar_gates(self) -> list[Node]:
+        """Linears with one output feature on an octavo.moe's (replicated) input: computed whole on every rank."""
+        moe_inputs = {_through_views(moe.args[0]) for moe in find_nodes(self.graph_module, octavo.moe.default)}
+        return [linear for linear in find_nodes(self.graph_module, aten.linear.default)
+                if is_weight(linear.args[1], self.ctx) and self.ctx.weights[linear.args[1].name].shape[0] == 1
+                and _through_views(linear.args[0]) in moe_inputs]
+
     # ---- embedding and lm_head ----
 
     def _shard_embedding(self, embedding: Node) -> None:
-        weight, ids = embedding.args[:2]
-        if not is_weight(weight, self.ctx) or embedding.kwargs:
+        tables = weight_tensor_nodes(embedding)
+        ids = embedding.args[args_of(embedding).indices]
+        if not all(is_weight(table, self.ctx) for table in tables) or embedding.kwargs:
             raise PassError(f"shard_tensor_parallel cannot shard {_describe(embedding)} by vocabulary")
-        shard = vocab_shard(self._vocab_rows(weight), self.tp_size, self.tp_rank)
-        self._slice_weight(weight, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
+        shard = vocab_shard(self._vocab_rows(tables[0]), self.tp_size, self.tp_rank)
+        for table in tables:
+            self._slice_weight(table, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
         graph = self.graph_module.graph
         with graph.inserting_before(embedding):
             shifted = graph.call_function(aten.sub.Tensor, (ids, shard.start))
@@ -295,9 +340,13 @@ class _Sharder:
             above = graph.call_function(aten.ge.Scalar, (shifted, shard.size))
             outside = graph.call_function(aten.bitwise_or.Tensor, (below, above))
             local_ids = graph.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-        # padding_idx (and the other trailing arguments) only change gradients; a global row index has no
-        # meaning for the rank's rows, so none is passed on.
-        embedding.args = (weight, local_ids)
+        if embedding.target is aten.embedding.default:
+            # padding_idx (and the other trailing arguments) only change gradients; a global row index has no
+            # meaning for the rank's rows, so none is passed on.
+            embedding.args = (tables[0], local_ids)
+        else:
+            index = args_of(embedding).indices
+            embedding.args = (*embedding.args[:index], local_ids, *embedding.args[index + 1:])
         with graph.inserting_before(embedding.next):
             mask = graph.call_function(aten.unsqueeze.default, (outside, -1))
             zeroed = graph.call_function(aten.masked_fill.Scalar, (embedding, mask, 0.0))
@@ -308,12 +357,13 @@ class _Sharder:
 
     def _shard_lm_head(self) -> None:
         lm_head = find_lm_head(self.graph_module)
-        weight = lm_head.args[1]
-        if not is_weight(weight, self.ctx) or any(arg is not None for arg in lm_head.args[2:]):  # a bias
+        tables = weight_tensor_nodes(lm_head)
+        if not all(is_weight(table, self.ctx) for table in tables) or bias_of(lm_head) is not None:
             raise PassError(f"shard_tensor_parallel cannot shard the lm_head {_describe(lm_head)} by vocabulary")
-        vocab = self._vocab_rows(weight)
+        vocab = self._vocab_rows(tables[0])
         shard = vocab_shard(vocab, self.tp_size, self.tp_rank)
-        self._slice_weight(weight, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
+        for table in tables:
+            self._slice_weight(table, ("vocab", shard), lambda tensor: vocab_rows(tensor, shard))
         graph = self.graph_module.graph
         with graph.inserting_before(lm_head.next):
             gathered = graph.call_function(octavo.all_gather.default, (lm_head, GROUP, self.tp_size, -1))
@@ -331,20 +381,27 @@ class _Sharder:
     # ---- linears and weights ----
 
     def _shard_column_parallel(self, linear: Node, rows: list[range]) -> None:
-        """Keep output rows `rows` (in order) of the linear's weight and bias."""
+        """Keep output rows `rows` (in order) of the linear's weight tensors and bias."""
         key = ("rows", tuple((part.start, part.stop) for part in rows))
-        for parameter in linear.args[1:]:
+        for parameter in [*weight_tensor_nodes(linear), bias_of(linear)]:
             if parameter is not None:
                 self._slice_weight(parameter, key, lambda tensor: row_ranges(tensor, rows))
         self.handled.add(linear)
 
     def _shard_row_parallel(self, linear: Node, columns: range) -> None:
         """Keep input columns `columns` of the weight; sum the partial outputs with all_reduce."""
-        weight = linear.args[1]
-        self._slice_weight(weight, ("columns", columns.start, columns.stop),
-                           lambda tensor: column_range(tensor, columns))
-        bias = linear.args[2] if len(linear.args) > 2 else None
-        linear.args = linear.args[:2]
+        spec, bias = args_of(linear), bias_of(linear)
+        slices = column_slices(linear, self.ctx.weights, columns)
+        for tensor, part in zip(weight_tensor_nodes(linear), slices.ranges, strict=True):
+            if part is not None:
+                self._slice_weight(tensor, ("columns", part.start, part.stop),
+                                   lambda weight, part=part: column_range(weight, part))
+        args = list(linear.args)
+        if spec.bias is not None and len(args) > spec.bias:
+            args[spec.bias] = None  # added once, after the reduction
+        if slices.group_size is not None:
+            args[spec.group_size] = slices.group_size
+        linear.args = tuple(args)
         graph = self.graph_module.graph
         with graph.inserting_before(linear.next):
             reduced = graph.call_function(octavo.all_reduce.default, (linear, GROUP, self.tp_size))
@@ -372,8 +429,14 @@ class _Sharder:
             for user in node.users:
                 if user not in self.handled and not is_call(user, *_REPLICATED_WEIGHT_OPS):
                     raise PassError(f"shard_tensor_parallel cannot shard {_describe(user)} (it reads weight "
-                                    f"{node.name}) yet: tensor parallelism covers linears of attention and gated "
-                                    "MLPs, the embedding and the lm_head")
+                                    f"{node.name}) yet: tensor parallelism covers linears of attention, gated "
+                                    "MLPs and mixtures of experts, the embedding and the lm_head")
+
+
+def _through_views(node: Node) -> Node:
+    while is_call(node, *VIEWS):
+        node = node.args[0]
+    return node
 
 
 def _describe(node) -> str:

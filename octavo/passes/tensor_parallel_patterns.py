@@ -6,15 +6,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from octavo.errors import PassError
-from octavo.ir.ops import linear as _linear  # noqa: F401  (registers octavo::linear_w16)
 from octavo.ir.ops.fused_pointwise import decode_program
 from octavo.passes.pattern_utils import is_call
+from octavo.passes.tensor_parallel_weights import LINEARS
 
 aten = torch.ops.aten
-
-LINEARS = (aten.linear.default, torch.ops.octavo.linear_w16.default)
-"""The linears the sharding splits: aten.linear, and octavo.linear_w16 (the same function, its weight
-stored in 16 bits), whose weight rows and columns are split the same way."""
 octavo = torch.ops.octavo
 
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

@@ -9,16 +9,21 @@ import torch
 from octavo.errors import OctavoError, RequestError
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.sequence import Sequence, SequenceStatus
+from octavo.runtime.structured.spec import StructuredOutputs
 
 
 @dataclass(frozen=True)
 class BeamSearchParams:
+    """`structured`: every beam follows this constraint (its banned tokens never become candidates)."""
+
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "structured", StructuredOutputs.of(self.structured))
         if self.beam_width < 1:
             raise RequestError(f"beam_width must be >= 1, got {self.beam_width}")
         if self.max_tokens < 1:
@@ -70,11 +75,14 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
 
     A new beam is a fork of its parent: it shares the parent's KV blocks (copy-on-write for the
     partially filled last block) and the parent's blocks are released when it is dropped.
+
+    With `params.structured`, tokens a beam's grammar does not allow next are not candidates, and a
+    stop token the grammar took completes the hypothesis even with ignore_eos (nothing may follow it).
     """
     if engine.has_unfinished_requests():
         raise OctavoError("beam_search needs an idle engine: finish or abort the running requests first")
     eos = set(engine.eos_token_ids)
-    instances = [_start(engine, index, prompt) for index, prompt in enumerate(prompts)]
+    instances = [_start(engine, index, prompt, params.structured) for index, prompt in enumerate(prompts)]
     for _ in range(params.max_tokens):
         growing = [instance for instance in instances if _still_growing(engine, instance)]
         if not growing:
@@ -110,11 +118,12 @@ def _still_growing(engine, instance: _Instance) -> bool:
     return False
 
 
-def _start(engine, index: int, prompt: list[int]) -> _Instance:
+def _start(engine, index: int, prompt: list[int], structured: StructuredOutputs | None) -> _Instance:
     _, token_ids = engine._tokenize(prompt)
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)
     engine._validate(token_ids, params)
-    seq = Sequence(f"beam-{index}", 0, token_ids, params, detokenizer=None)
+    grammar = engine.structured.start(structured) if structured is not None else None
+    seq = Sequence(f"beam-{index}", 0, token_ids, params, detokenizer=None, grammar=grammar)
     engine.scheduler.add(seq)
     return _Instance(len(token_ids), [_Beam(seq, 0.0)])
 
@@ -130,6 +139,11 @@ def _run_until_scored(engine, instances: list[_Instance]) -> None:
             raise RuntimeError("beam search stalled: the scheduler has nothing to run")
         schedule, inputs, logits = executed
         logprobs = torch.log_softmax(logits[:, :engine.vocab_size].float(), dim=-1)
+        if engine.step_mask is not None:  # beams under a grammar: their banned tokens are no candidates
+            sampled = list(range(len(inputs.sampled_rows)))
+            banned = engine.step_mask.select(sampled, logprobs.device)
+            if banned is not None:
+                logprobs[:len(sampled)] = logprobs[:len(sampled)].masked_fill(banned, float("-inf"))
         for row, scheduled_index in enumerate(inputs.sampled_rows):
             rows[id(schedule.scheduled[scheduled_index].seq)] = logprobs[row]
     for instance in instances:
@@ -158,7 +172,9 @@ def _advance(engine, instance: _Instance, params: BeamSearchParams, eos: set[int
     for beam in instance.beams:
         values, tokens = instance.row_of[id(beam.seq)].topk(2 * params.beam_width)
         for logprob, token in zip(values.tolist(), tokens.tolist(), strict=True):
-            if token in eos and not params.ignore_eos:
+            if logprob == float("-inf"):
+                break  # the grammar allows fewer tokens than were asked for
+            if token in eos and (not params.ignore_eos or beam.seq.grammar is not None):
                 instance.completed.append(BeamSearchSequence([*beam.seq.token_ids, token], beam.cum_logprob + logprob,
                                                              finished_with_eos=True))
             else:
@@ -169,6 +185,8 @@ def _advance(engine, instance: _Instance, params: BeamSearchParams, eos: set[int
     for cum_logprob, parent, token in candidates[:params.beam_width]:
         child = parent.seq.fork(len(new_beams), None)
         child.append_token(token)
+        if child.grammar is not None:
+            child.grammar.accept(token)
         if parent.seq.status is SequenceStatus.RUNNING:
             engine.block_manager.fork(parent.seq, child)
             engine.scheduler.add_running(child)

@@ -19,7 +19,10 @@ and lives under ``cache_root()/executor``, keyed by the artifact's file
 checksums (weights included), the backend, the lowered graph's code (which
 names the kernels chosen for this machine), the CPU's vector ISA, the thread
 count (generated loops are parallelized for it), the torch and octavo
-versions and this module's format. Inductor's own scratch files go under
+versions, this module's format and, for the program of one rank of a
+parallel engine, the rank's position and world size (its weights are its
+shard). A rank's package names its collectives' groups logically ("tp"), so
+it holds nothing of one launch's process groups. Inductor's own scratch files go under
 ``cache_root()/inductor`` unless TORCHINDUCTOR_CACHE_DIR says otherwise. A
 warm start loads the package in well under a second plus reading its weights.
 """
@@ -41,9 +44,9 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
-from octavo import __version__
 from octavo.cache_dir import cache_root
 from octavo.runtime.executor import GraphExecutor
+from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +55,23 @@ FORMAT = 3
 
 LIBRARY, OP_TABLE = "model.so", "model.json"
 
-DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_pointwise",
-                  "embedding_w8", "embedding_w4")
+DECOMPOSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
+                  "fused_pointwise", "embedding_w8", "embedding_w4")
 """Pointwise octavo ops (and the quantized embedding gathers) whose torch kernels are inlined as ATen for
 Inductor to fuse (the rest stay opaque)."""
 
 # Example sizes of the symbolic dimensions, distinct so that no two dimensions look alike while tracing.
-_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7}
+_EXAMPLE_SIZES = {"T": 5, "B": 3, "B + 1": 4, "max_blocks": 6, "N": 2, "num_blocks": 7, "max_loras": 9}
 
 
 class CompilationUnavailableError(RuntimeError):
     """The compiled executor cannot be built here (no C++ compiler, or the compile failed)."""
 
 
-def package_key(manifest: dict, backend: str, lowered: GraphModule) -> str:
+def package_key(manifest: dict, backend: str, lowered: GraphModule, scope: dict | None = None) -> str:
     """sha256 of everything that decides the compiled code (see the module docstring)."""
     payload = {
+        **({"scope": scope} if scope else {}),
         "format": FORMAT,
         "artifact_files": manifest.get("files", {}),
         "backend": backend,
@@ -82,9 +86,9 @@ def package_key(manifest: dict, backend: str, lowered: GraphModule) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def package_path(manifest: dict, backend: str, lowered: GraphModule) -> Path:
+def package_path(manifest: dict, backend: str, lowered: GraphModule, scope: dict | None = None) -> Path:
     """The package directory: the compiled library (model.so, weights inside) and its op table (model.json)."""
-    return cache_root() / "executor" / package_key(manifest, backend, lowered)
+    return cache_root() / "executor" / package_key(manifest, backend, lowered, scope)
 
 
 def check_compiler() -> None:
@@ -99,20 +103,20 @@ class CompiledExecutor:
     """Runs the graph of `eager` (a GraphExecutor, already bound and lowered) as an AOTInductor package.
 
     `run(inputs)` takes the same inputs as GraphExecutor.run. Compiles into the
-    cache on first use for this (artifact, backend, machine); raises
+    cache on first use for this (artifact, backend, machine, `scope`); raises
     CompilationUnavailableError when it cannot.
     """
 
     kind = "compiled"
 
-    def __init__(self, eager: GraphExecutor, manifest: dict, backend: str):
+    def __init__(self, eager: GraphExecutor, manifest: dict, backend: str, scope: dict | None = None):
         if eager.device.type != "cpu":
             raise CompilationUnavailableError("the compiled executor runs on CPU")
         self.eager = eager
         self.graph_module = eager.graph_module
         self.input_names = eager.input_names
         self.device = eager.device
-        self.path = package_path(manifest, backend, eager.graph_module)
+        self.path = package_path(manifest, backend, eager.graph_module, scope)
         self.compile_seconds = 0.0
         if not (self.path / LIBRARY).is_file():
             check_compiler()
@@ -150,7 +154,7 @@ def export_graph(eager: GraphExecutor, signature: dict) -> torch.export.Exported
 
     seqs = Dim("B", min=1)
     dims = {"T": Dim("T", min=1), "B": seqs, "B + 1": seqs + 1, "max_blocks": Dim("max_blocks", min=1),
-            "N": Dim("N", min=1), "num_blocks": Dim("num_blocks", min=1)}
+            "N": Dim("N", min=1), "num_blocks": Dim("num_blocks", min=1), "max_loras": Dim("max_loras", min=1)}
     graph_module = _decomposed_copy(eager.graph_module)
     inputs = signature["inputs"]
     example, dynamic = [], []

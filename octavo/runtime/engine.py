@@ -7,7 +7,6 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,13 +14,18 @@ import torch
 from octavo.codegen.cpu_backend.precision import slow_dtype_warning
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, RequestError
+from octavo.ir.lora_format import LoraAdapterError
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
-from octavo.runtime.executor import create_executor, resolve_executor
+from octavo.runtime.distributed.devices import rank_device
+from octavo.runtime.distributed.launch import RankLaunch
+from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
+from octavo.runtime.executor_choice import create_executor, resolve_executor
 from octavo.runtime.host_pool import HostBlockPool
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 from octavo.runtime.loader import LoadedArtifact, load_artifact
+from octavo.runtime.lora import LoraManager
 from octavo.runtime.metrics import EngineMetrics, collect_engine_metrics
 from octavo.runtime.model_runner import ModelRunner
 from octavo.runtime.output_processor import OutputProcessor
@@ -33,30 +37,34 @@ from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.spec_decode.speculator import build_speculator
 from octavo.runtime.step_phases import StepPhases
+from octavo.runtime.step_record import StepRecord
+from octavo.runtime.structured.manager import StructuredOutputManager
+from octavo.runtime.structured.masks import StepMask
 from octavo.runtime.warmup import warm_up, warmup_steps
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepRecord:
-    """What the last step ran: the schedule, its inputs and the logits rows it produced (for debugging)."""
-
-    schedule: SchedulerOutput
-    inputs: StepInputs
-    logits: torch.Tensor
-
-
 class LLMEngine:
     """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is false."""
 
-    def __init__(self, artifact: str | os.PathLike | LoadedArtifact, config: EngineConfig | None = None):
+    def __init__(self, artifact: str | os.PathLike | LoadedArtifact, config: EngineConfig | None = None,
+                 launch: RankLaunch | None = None):
+        """`launch` starts the ranks of a parallel engine (world_size > 1); octavo.parallel.create_engine
+        makes it, since sharding the artifact for each rank runs the parallel passes."""
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        if self.config.world_size > 1 and launch is None:
+            raise OctavoError(f"an engine of {self.config.world_size} ranks is built by octavo.parallel.create_engine "
+                              "(or octavo.LLM), which shards the artifact for each rank")
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact)
         manifest = self.artifact.manifest
-        self.device = resolve_device(self.config.device)
+        if launch is not None:
+            rendezvous = launch.rendezvous
+            self.device = rank_device(self.config.device, rendezvous.local_rank, rendezvous.local_world_size)
+        else:
+            self.device = resolve_device(self.config.device)
         self.backend = resolve_backend(self.config.backend, self.device)
         if self.backend == "triton":
             from octavo.codegen.triton_backend.availability import check_triton_kv_layout, use_octavo_triton_cache
@@ -72,11 +80,11 @@ class LLMEngine:
         self._length_limit_note = ""
         layout = manifest["kv_layout"]
         self.parallel = None
-        if self.config.world_size > 1:
+        if launch is not None:
             from octavo.runtime.distributed import ParallelRuntime
 
             # Every rank holds its share of the cache (its heads, its stage's layers); rank 0's is the engine's.
-            self.parallel = ParallelRuntime(self.artifact, self.config, self.backend, self.device)
+            self.parallel = ParallelRuntime(self.artifact, self.config, self.backend, self.device, launch)
             layout, self.kv_cache = self.parallel.kv_layout, self.parallel.kv_cache
             num_blocks, num_host_blocks = self.kv_cache.num_blocks, self.kv_cache.num_host_blocks
         else:
@@ -92,19 +100,22 @@ class LLMEngine:
                                    HostBlockPool(num_host_blocks) if num_host_blocks else None)
         if self.parallel is not None:
             self.executor = self.parallel.executor
-            if resolve_executor(self.config.executor) == "compiled":
-                logger.warning("the ranks of a parallel engine run their graphs eagerly (executor compiled "
-                               "is for single-process engines)")
         else:
-            self.executor = create_executor(self.artifact, self.backend, self.device, self.config.executor,
+            self.executor = create_executor(self.artifact.graph_module, self.artifact.weights, manifest,
+                                            self.backend, self.device, self.config.executor,
                                             activation_dtype=getattr(torch, manifest["dtype"]))
+        self.lora = self._lora_manager(manifest)
         executor_kind = getattr(self.executor, "kind", "eager")
-        cuda_graphs = (self.device.type == "cuda" and self.parallel is None
+        # LoRA's token slots are no persistent buffer of the captured graphs (yet): such artifacts run uncaptured.
+        cuda_graphs = (self.device.type == "cuda" and self.parallel is None and self.lora is None
                        and resolve_executor(self.config.executor) != "eager")
-        self.runner = ModelRunner(self.executor, self.kv_cache.tensors, self.config.max_num_seqs,
+        bound = {**self.kv_cache.tensors, **(self.lora.tensors if self.lora is not None else {})}
+        self.runner = ModelRunner(self.executor, bound, self.config.max_num_seqs,
                                   -(-self.max_model_len // layout["block_size"]), self.device,
                                   pad_decodes=executor_kind == "compiled", cuda_graphs=cuda_graphs)
         self.executor_kind = "cuda graphs" if cuda_graphs else executor_kind
+        if self.parallel is not None:
+            self.executor_kind = f"{executor_kind} on {self.config.world_size} ranks"
         self.warmup_seconds = 0.0
         if cuda_graphs:
             steps = warmup_steps(self.runner.buffers.ladder, self.config.max_num_batched_tokens,
@@ -112,13 +123,14 @@ class LLMEngine:
             self.warmup_seconds = warm_up(self.runner, steps, layout["block_size"])
         self.pipeline = None
         if self.parallel is not None and self.config.pipeline_parallel_size > 1:
-            from octavo.runtime.distributed.pipelined_steps import PipelinedSteps
 
             self.pipeline = PipelinedSteps(self, self.config.pipeline_depth or self.config.pipeline_parallel_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self.phases = StepPhases()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.step_mask: StepMask | None = None  # the banned tokens of the last step's constrained rows
         self.outputs = OutputProcessor(self.sampler, self.scheduler, self.tokenizer, self.eos_token_ids,
-                                       self.max_model_len, self.phases)
+                                       self.max_model_len, self.phases, self.structured)
         self.speculator = build_speculator(self) if self.config.speculative else None
         self.requests: dict[str, Request] = {}
         self.last_step: StepRecord | None = None
@@ -130,6 +142,40 @@ class LLMEngine:
                     self.executor_kind,
                     "on" if self.config.enable_prefix_caching else "off", self.config.preemption_mode,
                     num_host_blocks)
+
+    def _lora_manager(self, manifest: dict) -> LoraManager | None:
+        """The adapter slots of an artifact compiled with LoRA, with its own and `lora_modules`' adapters loaded."""
+        layout = manifest.get("lora")
+        if not layout:
+            if self.config.lora_modules:
+                raise OctavoError("--lora-modules needs an artifact compiled with LoRA (octavo compile --lora "
+                                  "NAME=PATH, or --lora-targets with --max-lora-rank)")
+            return None
+        if self.config.world_size > 1:
+            raise OctavoError("LoRA adapters run on a single-process engine (not with tensor or pipeline parallelism)")
+        if self.config.speculative:
+            raise OctavoError("speculative decoding is not available with LoRA adapters yet")
+        manager = LoraManager(layout, self.config.max_loras, getattr(torch, manifest["dtype"]), self.device)
+        for entry in [*(f"{name}={path}" for name, path in layout.get("adapters", {}).items()),
+                      *self.config.lora_modules]:
+            name, _, path = entry.partition("=")
+            manager.load(name, path)
+        return manager
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter under `name` (LoraAdapterError, one line, when it cannot be served)."""
+        if self.lora is None:
+            raise LoraAdapterError("this artifact was compiled without LoRA: it cannot load adapters")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free an adapter's slot; refused while requests run under it."""
+        if self.lora is None:
+            raise LoraAdapterError("this artifact was compiled without LoRA: it has no adapters")
+        users = sum(1 for request in self.requests.values() for seq in request.sequences if seq.lora_name == name)
+        if users:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is in use by {users} running sequence(s)")
+        self.lora.unload(name)
 
     def _max_model_len(self, manifest: dict) -> int:
         limit = manifest["max_model_len"]
@@ -154,8 +200,10 @@ class LLMEngine:
     # ---- requests ----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0, lora: str | None = None) -> Request:
         """Queue a request (text or token ids). Invalid requests raise RequestError and change nothing.
+
+        `lora` names a loaded LoRA adapter the request runs under (None: the base model).
 
         With n > 1, sample 0 computes the prompt; the other samples are forked
         from it (sharing its blocks) when its first token is sampled.
@@ -166,9 +214,14 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if lora is not None:
+            if self.lora is None:
+                raise RequestError(f"unknown LoRA adapter {lora!r}: this artifact was compiled without LoRA")
+            self.lora.slot_of(lora)
+        grammar = self.structured.start(params.structured) if params.structured is not None else None
         request = Request(request_id, text, token_ids, params, priority=priority)
         seq = Sequence(request_id, 0, token_ids, params, self._detokenizer(token_ids, params),
-                       generator=_generator(params, 0), priority=priority)
+                       generator=_generator(params, 0), priority=priority, grammar=grammar, lora_name=lora)
         request.sequences.append(seq)
         self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -215,7 +268,7 @@ class LLMEngine:
             seq = schedule.scheduled[scheduled_index].seq
             rows.append((seq, row))
             rows += [(sibling, row) for sibling in self._fork_siblings(seq)]
-        self.outputs.sample_and_append(rows, logits)
+        self.outputs.sample_and_append(rows, logits, self.step_mask)
         if self.speculator is not None:
             self.speculator.verify(schedule, inputs, logits)
         with self.phases.time("outputs"):
@@ -226,6 +279,7 @@ class LLMEngine:
         """Schedule and run the graph; advance computed-token counts; score prompt logprobs. No sampling.
 
         `proposals` (speculative tokens) are computed too; they are not counted as computed here.
+        The banned tokens of constrained rows are computed while the model runs, into `step_mask`.
         """
         with self.phases.time("schedule"):
             schedule = self.scheduler.schedule(proposals)
@@ -238,8 +292,16 @@ class LLMEngine:
         with self.phases.time("inputs"):
             inputs = build_step_inputs(schedule.scheduled, self.block_manager.block_size)
             feed = self.runner.prepare(inputs)
-        with self.phases.time("model"):
-            logits = self.runner.execute(feed)
+            if self.lora is not None:
+                feed.tensors[self.lora.token_slots_input] = self.lora.token_slots(schedule.scheduled, self.device,
+                                                                                  feed.size)
+        pending_mask = self.structured.submit_step(schedule, inputs)
+        try:
+            with self.phases.time("model"):
+                logits = self.runner.execute(feed)
+        finally:  # the worker reads the sequences' grammar states: wait for it whatever happened
+            with self.phases.time("grammar"):
+                self.step_mask = pending_mask.result() if pending_mask is not None else None
         self.last_step = StepRecord(schedule, inputs, logits)
         self.num_steps += 1
         with self.phases.time("bookkeeping"):
@@ -283,7 +345,8 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the worker ranks of a parallel engine (a single-process engine holds nothing to release)."""
+        """Stop the worker ranks of a parallel engine and the structured-output mask thread."""
+        self.structured.shutdown()
         if self.parallel is not None:
             self.parallel.shutdown()
 

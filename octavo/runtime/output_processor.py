@@ -13,38 +13,56 @@ from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.sequence import Sequence, SequenceStatus
 from octavo.runtime.step_phases import StepPhases
 from octavo.runtime.stop_checker import check_stop
+from octavo.runtime.structured.manager import StructuredOutputManager
+from octavo.runtime.structured.masks import StepMask
 
 
 class OutputProcessor:
     """Samples the next tokens of a step and applies them: append, detokenize, stop checks."""
 
     def __init__(self, sampler: Sampler, scheduler: Scheduler, tokenizer, eos_token_ids: list[int],
-                 max_model_len: int, phases: StepPhases | None = None):
+                 max_model_len: int, phases: StepPhases | None = None,
+                 structured: StructuredOutputManager | None = None):
         self.phases = phases or StepPhases()
+        self.structured = structured
         self.sampler = sampler
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def sample_and_append(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        """`rows` pairs each sequence with its logits row (parallel samples share their parent's row)."""
+    def sample_and_append(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                          step_mask: StepMask | None = None) -> None:
+        """`rows` pairs each sequence with its logits row (parallel samples share their parent's row).
+
+        `step_mask` holds the banned tokens of the constrained rows, computed during the step; without
+        it, constrained sequences' masks are computed here.
+        """
         if not rows:
             return
         with self.phases.time("sample"):
             row_ids = [row for _, row in rows]
+            sequences = [seq for seq, _ in rows]
+            banned = self._banned(sequences, row_ids, step_mask, logits.device)
             if row_ids != list(range(logits.shape[0])):  # forks share a row; prompt-logprob rows follow
                 logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
-            sequences = [seq for seq, _ in rows]
             sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
                              for seq in sequences]
             # Logprobs (a full-vocabulary log_softmax per row) only for the rows whose request shows them.
             logprob_rows = [index for index, seq in enumerate(sequences) if seq.params.logprobs is not None]
-            result = self.sampler(logits, sampling_rows, logprob_rows)
+            result = self.sampler(logits, sampling_rows, logprob_rows, banned)
             token_ids = result.token_ids.tolist()
             logprobs = result.sampled_logprobs.tolist()
         with self.phases.time("detokenize"):
             self._append(sequences, result, token_ids, logprobs)
+
+    def _banned(self, sequences: list[Sequence], row_ids: list[int], step_mask: StepMask | None,
+                device: torch.device) -> torch.Tensor | None:
+        if step_mask is not None:
+            return step_mask.select(row_ids, device)
+        if self.structured is None or all(seq.grammar is None for seq in sequences):
+            return None
+        return self.structured.banned_now(sequences, device)
 
     def _append(self, sequences: list[Sequence], result: SamplerOutput, token_ids: list[int],
                 logprobs: list[float]) -> None:
@@ -56,6 +74,8 @@ class OutputProcessor:
     def append_token(self, seq: Sequence, token_id: int, logprob: float, logprob_entry: dict | None) -> bool:
         """Append one chosen token with its logprob (entry) and text; stop checks. Returns whether `seq` finished."""
         seq.append_token(token_id)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            raise RuntimeError(f"sequence {seq.seq_id} sampled token {token_id}, which its grammar does not allow")
         if seq.params.logprobs is not None:  # other rows' logprobs are not computed (NaN)
             seq.cumulative_logprob += logprob
         if seq.output_logprobs is not None:
@@ -69,6 +89,10 @@ class OutputProcessor:
         decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_ids, seq.output_text,
                               new_text_len, seq.num_tokens, self.max_model_len)
         if not decision.finished:
+            if seq.grammar is not None and seq.grammar.is_terminated:
+                # The grammar took its stop token (with ignore_eos, say): nothing may follow it.
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                seq.finish_time = time.monotonic()
             return
         if decision.truncate_text_to is not None:
             seq.output_text = seq.output_text[:decision.truncate_text_to]

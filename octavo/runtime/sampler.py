@@ -14,7 +14,11 @@ Processing order (as vLLM):
    else ``logit * p``;
 5. frequency and presence penalties over output tokens only:
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``;
-6. greedy rows (temperature < 1e-5) take the argmax of these logits; random rows divide by the
+6. structured output: the tokens a row's grammar does not allow next (``banned``, bool [N, V],
+   computed by ``octavo.runtime.structured``) are set to -inf, one masked fill for the batch. A
+   row that min_tokens' bans and the grammar together leave without any token (the grammar wants
+   to stop) keeps the grammar's tokens alone;
+7. greedy rows (temperature < 1e-5) take the argmax of these logits; random rows divide by the
    temperature, keep the ``top_k`` highest (exactly k, ties broken arbitrarily), keep the smallest
    set of highest-probability tokens whose cumulative probability reaches ``top_p`` (at least one),
    drop tokens whose probability is below ``min_p`` times the highest probability, and sample.
@@ -35,6 +39,7 @@ import torch
 
 from octavo.codegen.cpu_backend.build import loaded_cpu_kernels
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured.masks import mask_banned_tokens
 
 PROMPT_LOGPROBS_CHUNK_ROWS = 1024
 """Prompt positions processed at once by Sampler.prompt_logprobs (bounds the float32 [rows, V] copy)."""
@@ -109,12 +114,14 @@ class Sampler:
     # ----- public entry points -----
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 logprob_rows: Sequence[int] | None = None) -> SamplerOutput:
+                 logprob_rows: Sequence[int] | None = None, banned: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token per row from ``logits`` [N, V_graph >= vocab_size] (any float dtype).
 
         ``logprob_rows`` (default: all rows) lists the rows whose logprobs are wanted: only those
         pay for a full-vocabulary log_softmax. The other rows get NaN in ``sampled_logprobs``, 0 in
         ``sampled_ranks`` and in the top columns NaN values and token id -1; their tokens are the same.
+        ``banned`` (bool [N, vocab_size]) are tokens structured output forbids; logprobs stay those of
+        the raw logits.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
@@ -126,6 +133,7 @@ class Sampler:
         raw_logits = logits[:, : self.vocab_size]
         processed = self._apply_bias_and_min_tokens(raw_logits, rows)
         processed = self._apply_penalties(processed, rows)
+        processed = self._apply_grammar(processed, raw_logits, banned, rows)
         token_ids = self._choose_tokens(processed, rows)
         return self._logprobs(raw_logits, rows, token_ids, logprob_rows)
 
@@ -166,16 +174,19 @@ class Sampler:
             top_logprobs, top_token_ids = raw_logprobs.topk(min(max_logprobs, self.vocab_size), dim=-1)
         return SamplerOutput(token_ids, sampled_logprobs, ranks, top_logprobs, top_token_ids)
 
-    def distributions(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplingDistributions:
+    def distributions(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      banned: torch.Tensor | None = None) -> SamplingDistributions:
         """The distribution each row's next token is drawn from, without drawing it.
 
-        Same processing as ``__call__`` (so the probabilities are those ``__call__`` samples from):
+        Same processing as ``__call__`` (so the probabilities are those ``__call__`` samples from,
+        ``banned`` tokens included):
         ``probs[i]`` is normalized; a greedy row's is a point mass on ``greedy_token_ids[i]``, the
         argmax of its processed logits, which ``__call__`` would choose. Speculative decoding
         verifies proposals against these.
         """
         processed = self._apply_bias_and_min_tokens(logits[:, : self.vocab_size].float().clone(), rows)
         processed = self._apply_penalties(processed, rows)
+        processed = self._apply_grammar(processed, logits[:, : self.vocab_size], banned, rows)
         greedy_token_ids = row_argmax(processed)
         random_rows = [index for index, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
@@ -301,6 +312,15 @@ class Sampler:
         counts = torch.zeros(len(token_lists), self.vocab_size + 1, dtype=torch.float32, device=device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
         return counts[:, : self.vocab_size]
+
+    def _apply_grammar(self, logits: torch.Tensor, raw_logits: torch.Tensor, banned: torch.Tensor | None,
+                       rows: list[SamplingRow]) -> torch.Tensor:
+        """`logits` with the `banned` tokens at -inf (a new tensor); see step 6 of the module docstring."""
+        if banned is None:
+            return logits
+        # Only min_tokens' bans set -inf before this step: rows under them are the only ones that can be emptied.
+        emptiable = [index for index, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
+        return mask_banned_tokens(logits, raw_logits, banned, emptiable)
 
     # ----- token choice -----
 

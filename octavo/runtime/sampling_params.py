@@ -20,6 +20,9 @@ Semantics follow vLLM's ``SamplingParams`` (which follows the OpenAI completions
   values are clamped to [-100, 100] as the OpenAI API specifies.
 - ``speculative``: False opts this request out of speculative decoding (when the engine has it on);
   speculation never changes what is sampled, only how fast.
+- ``structured``: a :class:`~octavo.runtime.structured.StructuredOutputs` (or a dict of its fields):
+  the output must match a JSON schema, any JSON object, a regex, one of some strings or an EBNF
+  grammar; tokens the grammar does not allow next are never sampled (see ``octavo.runtime.structured``).
 
 Invalid values raise :class:`octavo.errors.RequestError` with a one-line message naming the field.
 """
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from octavo.errors import RequestError
+from octavo.runtime.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +110,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     speculative: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        self.structured = StructuredOutputs.of(self.structured)
         self._normalize()
         self._verify_counts()
         self._verify_penalties()

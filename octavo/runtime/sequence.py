@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.runtime.structured.matcher import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +60,8 @@ class Sequence:
     host_block_table: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar: GrammarState | None = None  # where a structured-output sequence is in its grammar
+    lora_name: str | None = None  # the LoRA adapter the sequence runs under (None: the base model)
     _block_hashes: list[int] = field(default_factory=list, repr=False)
     # Where BlockManager.cache_full_blocks resumes: (blocks entered, last entered block id, its cache id).
     cache_walk: tuple[int, int, int] | None = field(default=None, repr=False)
@@ -108,7 +114,8 @@ class Sequence:
         size = block_manager.block_size
         while len(self._block_hashes) < len(self.token_ids) // size:
             index = len(self._block_hashes)
-            parent = self._block_hashes[-1] if index else None
+            # Blocks computed under an adapter hold other K/V than the base model's: their chain starts elsewhere.
+            parent = self._block_hashes[-1] if index else (hash(("lora", self.lora_name)) if self.lora_name else None)
             tokens = tuple(self.token_ids[index * size:(index + 1) * size])
             self._block_hashes.append(block_manager.hash_function(parent, tokens))
         return self._block_hashes
@@ -122,7 +129,8 @@ class Sequence:
                          status=self.status, output_text=self.output_text,
                          cumulative_logprob=self.cumulative_logprob,
                          output_logprobs=list(self.output_logprobs) if self.output_logprobs is not None else None,
-                         num_cached_tokens=self.num_cached_tokens, first_token_time=self.first_token_time)
+                         num_cached_tokens=self.num_cached_tokens, first_token_time=self.first_token_time,
+                         grammar=self.grammar.fork() if self.grammar is not None else None, lora_name=self.lora_name)
         child._block_hashes = list(self._block_hashes)
         return child
 

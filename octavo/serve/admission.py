@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from octavo.errors import RequestError
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.structured.spec import StructuredOutputs
 from octavo.serve.errors import APIError, from_request_error
 from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.protocol import SamplingFields
@@ -45,7 +46,7 @@ class Capacity:
 
 
 def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None) -> SamplingParams:
     """SamplingParams from the request (OpenAI defaults where a field is absent); bad values -> 400."""
     options = {
         "n": fields.n,
@@ -66,6 +67,7 @@ def sampling_params(fields: SamplingFields, max_tokens: int | None, logprobs: in
         "include_stop_str_in_output": fields.include_stop_str_in_output,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "structured": structured,
     }
     options = {name: value for name, value in options.items() if value is not None}
     try:
@@ -110,13 +112,13 @@ def fit_max_tokens(capacity: Capacity, num_prompt_tokens: int, max_tokens: int |
 
 
 def add_prompts(engine: LLMEngine, request_ids: list[str], encoded: list[EncodedPrompt], params: SamplingParams,
-                limits: list[int]) -> list[AddedPrompt]:
+                limits: list[int], lora: str | None = None) -> list[AddedPrompt]:
     """Add every prompt (on the engine thread), or none: on an error the ones added are aborted."""
     added: list[AddedPrompt] = []
     try:
         for request_id, prompt, max_tokens in zip(request_ids, encoded, limits, strict=True):
             request_params = params if max_tokens == params.max_tokens else params.clone(max_tokens=max_tokens)
-            engine.add_request(prompt.token_ids, request_params, request_id=request_id)
+            engine.add_request(prompt.token_ids, request_params, request_id=request_id, lora=lora)
             added.append(AddedPrompt(request_id, prompt.prompt_text, prompt.token_ids, prompt.first_token_text))
     except BaseException:
         for item in added:

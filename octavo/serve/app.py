@@ -1,6 +1,7 @@
 """The FastAPI application: routes, error handlers, middleware, and the engine thread's lifetime.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (LoRA adapters, see lora_routes),
 GET /health (200 while the engine runs and the server accepts work, else 503), GET /metrics
 (Prometheus text format), and vLLM's POST /tokenize, POST /detokenize, GET /version.
 """
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from octavo import __version__
-from octavo.serve import chat, completions, tokenize_routes
+from octavo.errors import WorkerFailedError
+from octavo.serve import chat, completions, lora_routes, tokenize_routes
 from octavo.serve.async_engine import AsyncEngine, EngineDeadError
 from octavo.serve.context import ServerContext, ServerSettings
 from octavo.serve.errors import APIError, install_error_handlers
@@ -47,11 +49,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
         return APIError(503, str(error), "service_unavailable", headers={"Retry-After": "1"}).response()
 
+    @app.exception_handler(WorkerFailedError)
+    async def worker_failed(request: Request, error: WorkerFailedError) -> JSONResponse:
+        # A rank died while a command of this request ran on the engine thread (not inside a step).
+        return APIError(503, str(error), "service_unavailable", headers={"Retry-After": "1"}).response()
+
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(ServerMiddleware, metrics=context.metrics, api_key=settings.api_key)  # outermost
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(lora_routes.router)
     _add_service_routes(app, context)
     return app
 
@@ -73,11 +81,13 @@ def _add_service_routes(app: FastAPI, context: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(context)]})
+        return JSONResponse({"object": "list", "data": [_model_card(context), *lora_routes.adapter_cards(context)]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        context.check_model(model)
+        adapter = context.check_model(model)
+        if adapter is not None:
+            return JSONResponse(next(card for card in lora_routes.adapter_cards(context) if card["id"] == adapter))
         return JSONResponse(_model_card(context))
 
 

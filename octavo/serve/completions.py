@@ -20,6 +20,7 @@ from octavo.serve.logprobs import completion_logprobs
 from octavo.serve.protocol import CompletionRequest
 from octavo.serve.sse import respond
 from octavo.serve.stream import OutputDelta, SampleDelta
+from octavo.serve.structured import compile_structure, requested_structure
 from octavo.serve.tokenization import EncodedPrompt, encode_prompt
 
 router = APIRouter()
@@ -29,11 +30,13 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     context: ServerContext = request.app.state.context
-    context.check_model(body.model)
+    lora = context.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     # echo with logprobs scores the prompt too (vLLM's prompt_logprobs).
-    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+    structure = requested_structure(body)
+    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None,
+                             structure.spec if structure is not None else None)
     prompts = body.prompt_list()
     if not prompts:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -46,7 +49,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     def encode(tokenizer) -> list[EncodedPrompt]:
         return [encode_prompt(tokenizer, prompt, body.echo, body.add_special_tokens) for prompt in prompts]
 
-    generation = await context.admit(len(prompts), params, encode, arrival)
+    await compile_structure(context, structure)
+    generation = await context.admit(len(prompts), params, encode, arrival, lora=lora)
     writer = CompletionWriter(context, generation, body, params.n)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
@@ -58,7 +62,7 @@ class CompletionWriter:
         self.generation = generation
         self.id = f"cmpl-{generation.base_id}"
         self.created = int(time.time())
-        self.model = context.settings.model_name
+        self.model = body.model or context.settings.model_name
         self.n = n
         self.num_top = body.logprobs
         self.echo = body.echo

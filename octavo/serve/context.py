@@ -27,6 +27,7 @@ from octavo.serve.metrics import ServerMetrics
 from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.stream import OutputDelta, RequestStream
 from octavo.serve.tokenization import DEFAULT_WORKERS, EncodedPrompt, PromptEncoder
+from octavo.serve.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ServerSettings:
     """What `octavo serve` was started with, beyond the engine options.
 
     `max_waiting_tokens` None means the KV pool's token slots (see `ServerContext.waiting_token_limit`).
+    `tool_call_parser`: the format tool calls are read in with tool_choice "auto" (`tool_parsers`; "auto"
+    picks it from the chat template).
     """
 
     model_name: str
@@ -50,6 +53,7 @@ class ServerSettings:
     tokenizer_threads: int = DEFAULT_WORKERS
     grace_period_s: float = 30.0
     retry_after_s: int = 1
+    tool_call_parser: str = "auto"
 
 
 class ServerContext:
@@ -57,7 +61,11 @@ class ServerContext:
         self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics(lambda: engine.metrics, settings.model_name)
-        self.encoder = PromptEncoder(engine.engine.tokenizer, settings.tokenizer_threads)
+        tokenizer = engine.engine.tokenizer
+        self.tool_parser = tool_parser(settings.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        # The grammar engine reads the vocabulary now, before any other thread uses the tokenizer.
+        engine.engine.structured.grammars.compiler()
+        self.encoder = PromptEncoder(tokenizer, settings.tokenizer_threads)
         self.capacity = Capacity.of(engine.engine)
         self.character_bound = CharacterBound.of(engine.engine.tokenizer)
         self.waiting_token_limit = settings.max_waiting_tokens or kv_token_slots(engine)
@@ -66,11 +74,16 @@ class ServerContext:
         self.pending_tokens = 0  # their tokens, once tokenized
         self.created = int(time.time())
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent or the served model's name."""
-        if model is not None and model != self.settings.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.settings.model_name}`.", "not_found_error", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, or no model given); 404 for another name."""
+        if model is None or model == self.settings.model_name:
+            return None
+        lora = self.engine.engine.lora
+        if lora is not None and model in lora.slots:
+            return model
+        adapters = f" and the LoRA adapters {', '.join(sorted(lora.slots))}" if lora is not None and lora.slots else ""
+        raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                            f"`{self.settings.model_name}`{adapters}.", "not_found_error", "model", "model_not_found")
 
     def check_accepting(self, num_requests: int) -> None:
         """503 (with Retry-After) while shutting down, without an engine, or when the queue is full."""
@@ -93,8 +106,9 @@ class ServerContext:
                                     f"(--max-waiting-tokens); retry later", code="queue_full")
 
     async def admit(self, num_requests: int, params: SamplingParams, encode: EncodeFunction, arrival: float,
-                    prompt_field: str = "prompt") -> Generation:
-        """Tokenize with `encode(tokenizer)` off the engine thread, check, and add `num_requests` requests."""
+                    prompt_field: str = "prompt", lora: str | None = None) -> Generation:
+        """Tokenize with `encode(tokenizer)` off the engine thread, check, and add `num_requests` requests
+        (under the LoRA adapter `lora`, None for the base model)."""
         self.check_accepting(num_requests)
         self.num_pending += num_requests
         try:
@@ -105,20 +119,21 @@ class ServerContext:
             self.check_waiting_tokens(num_tokens)
             self.pending_tokens += num_tokens
             try:
-                return await self._add(encoded, params, limits, arrival)
+                return await self._add(encoded, params, limits, arrival, lora)
             finally:
                 self.pending_tokens -= num_tokens
         finally:
             self.num_pending -= num_requests
 
     async def _add(self, encoded: list[EncodedPrompt], params: SamplingParams, limits: list[int],
-                   arrival: float) -> Generation:
+                   arrival: float, lora: str | None) -> Generation:
         base = uuid.uuid4().hex
         request_ids = [f"{base}-{index}" for index in range(len(encoded))]
         observer = RequestObserver(self.metrics, arrival, params.n, len(request_ids))
         stream = self.engine.open_stream(request_ids, observer.observe)
         try:
-            added = await self.engine.call(lambda engine: add_prompts(engine, request_ids, encoded, params, limits))
+            added = await self.engine.call(lambda engine: add_prompts(engine, request_ids, encoded, params, limits,
+                                                                      lora))
         except BaseException:
             self.engine.discard_stream(stream)
             self.engine.abort(request_ids)  # cancelled while being added: nobody will read them

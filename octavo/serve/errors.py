@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from octavo.errors import RequestError
 from octavo.serve.request_model import SURROGATE
+from octavo.serve.validation_messages import PREFERRED_ERROR_TYPES, openai_wording
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,12 @@ def from_request_error(error: RequestError) -> APIError:
 def from_validation_error(error: RequestValidationError) -> APIError:
     """400 naming the offending field, with pydantic's reason.
 
-    The first error is reported, unless a value check of ours failed (one union member's reason is
-    more telling than another member's type mismatch).
+    The first error is reported, unless a value check failed (a bound, a length, a check of ours: one
+    union member's reason is more telling than another member's type mismatch). Bounds, lengths and
+    missing fields are worded as OpenAI words them (`validation_messages`).
     """
     errors = error.errors()
-    first = next((item for item in errors if item.get("type") == "value_error"), errors[0])
+    first = next((item for item in errors if item.get("type") in PREFERRED_ERROR_TYPES), errors[0])
     location = [part for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         reason = first.get("ctx", {}).get("error", "invalid JSON")
@@ -91,11 +93,12 @@ def from_validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"the request body holds text that is not valid Unicode (a lone surrogate) at "
                              f"'{field}'", param=field)
     field = ".".join(str(part) for part in _json_path(error.body, location)) or None
-    if first.get("type") == "unserved_field":
+    if first.get("type") in ("unserved_field", "other_endpoint_field"):
         name = ".".join(str(part) for part in [*_json_path(error.body, location), first["ctx"]["field"]])
         return APIError(400, f"{first['msg']} (at '{name}')" if location else first["msg"], param=name)
-    if first.get("type") == "missing":
-        return APIError(400, f"missing required field '{field}'", param=field)
+    wording = openai_wording(first, field) if field is not None else None
+    if wording is not None:
+        return APIError(400, wording[0], param=field, code=wording[1])
     if field is None:
         return APIError(400, f"the request body must be a JSON object: {first.get('msg')}")
     return APIError(400, f"invalid value for '{field}': {first.get('msg')}", param=field)

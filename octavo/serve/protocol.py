@@ -5,11 +5,19 @@ Fields, names and defaults follow the OpenAI API (and vLLM's extensions `top_k`,
 `include_stop_str_in_output`, `add_special_tokens`). Every body is a `request_model.StrictModel`: strict
 types, valid Unicode, unknown fields ignored and logged, vLLM's unserved fields refused by name. Numbers
 are held to the ranges the OpenAI API reference documents (temperature 0..2, top_p 0..1, penalties
--2..2, logit_bias values -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer) or, for
-vLLM's fields and where vLLM is stricter, to vLLM's (top_p > 0, top_k -1 or more, min_p 0..1,
-repetition_penalty in (0, 2], logprobs 0..20 as vLLM's default max_logprobs). Cross-field rules
-(min_tokens <= max_tokens, token ids inside the vocabulary, greedy with n 1) are left to
-`SamplingParams` and the engine, whose messages name the field.
+-2..2, logit_bias values -100..100, n 1..128, top_logprobs 0..20, seed a signed 64-bit integer, stop
+1 to 4 strings, a prompt list or token list not empty, metadata 16 pairs of 64 / 512 characters,
+service_tier one of its names) or, for vLLM's fields and where vLLM is stricter, to vLLM's (top_p > 0,
+top_k -1 or more, min_p 0..1, repetition_penalty in (0, 2]). One bound is vLLM's where it serves more:
+completions' `logprobs` goes to 20 (vLLM's default max_logprobs; OpenAI's is 5). `stream_options` is
+only allowed with `stream: true`, as OpenAI and vLLM answer. Cross-field rules (min_tokens <=
+max_tokens, token ids inside the vocabulary, greedy with n 1) are left to `SamplingParams` and the
+engine, whose messages name the field.
+
+Messages follow the OpenAI API's schema by role: system, developer, user and tool messages need
+`content` (a string or a non-empty list of text parts), a tool message also `tool_call_id`, an
+assistant message `content` or `tool_calls`. A parameter of the other endpoint (`messages` sent to
+/v1/completions, `prompt` or `echo` to /v1/chat/completions) is a 400 naming it, not ignored.
 
 Explicit JSON nulls: a field the OpenAI API documents as nullable takes null as its default (`n`
 null samples once, `logprobs` and `echo` null are off); vLLM's own fields are not nullable, as in
@@ -24,7 +32,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from octavo.serve.request_model import (
     INT64_MAX,
@@ -36,6 +45,7 @@ from octavo.serve.request_model import (
     TokenIds,
     valid_unicode_json,
 )
+from octavo.serve.structured import StructuredOutputFields
 
 MAX_LOGPROBS = 20
 """Most alternatives per token in `logprobs` / `top_logprobs` (vLLM's default max_logprobs)."""
@@ -46,12 +56,23 @@ MAX_CHOICES = 128
 LOGIT_BIAS_LIMIT = 100.0
 """logit_bias values lie in [-100, 100] (OpenAI)."""
 
+MAX_STOP_SEQUENCES = 4
+"""`stop` holds up to 4 sequences (OpenAI)."""
+
+SERVICE_TIERS = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+"""The values of OpenAI's `service_tier` (accepted and ignored: this server has one tier)."""
+
+TokenIdText = Annotated[Text, Field(pattern=r"^[0-9]+$")]
+"""A token id written as a JSON object key (logit_bias): decimal digits only."""
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(NullMeansDefault):
-    """The fields both endpoints share; `SamplingParams` validates their ranges."""
+class SamplingFields(StructuredOutputFields, NullMeansDefault):
+    """The fields both endpoints share; `SamplingParams` validates their ranges. Structured output's fields
+    (`response_format`, `guided_*`, `structured_outputs`) are in `octavo.serve.structured`."""
 
     NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n"})
 
@@ -64,12 +85,12 @@ class SamplingFields(NullMeansDefault):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_STOP_SEQUENCES)] | None = None
     stop_token_ids: TokenIds | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[Text, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    logit_bias: dict[TokenIdText, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     skip_special_tokens: bool = True
@@ -79,7 +100,14 @@ class SamplingFields(NullMeansDefault):
     metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     store: bool | None = None
-    service_tier: Text | None = None
+    service_tier: SERVICE_TIERS | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and info.data.get("stream") is not True and "stream" in info.data:
+            raise ValueError("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+        return options
 
 
 class CompletionRequest(SamplingFields):
@@ -90,7 +118,8 @@ class CompletionRequest(SamplingFields):
 
     NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n", "echo"})
 
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[TokenIds, Field(min_length=1)]
+             | Annotated[list[Annotated[TokenIds, Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -165,12 +194,28 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+ROLES_NEEDING_CONTENT = frozenset({"system", "developer", "user", "tool"})
+
+
+def _missing_for_role(field: str, role: str, why: str = "") -> PydanticCustomError:
+    article = "an" if role[0] in "aeiou" else "a"
+    return PydanticCustomError("missing_for_role", "{article} {role} message needs '{field}'{why}",
+                               {"article": article, "role": role, "field": field, "why": why})
+
+
 class ChatMessage(StrictModel):
+    """One message of a conversation; what each role requires is in the module docstring.
+
+    The fields are declared in the order their checks read each other (a field validator sees only the
+    fields before it), and `content` and `tool_call_id` are checked also when absent.
+    """
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: Text | None = None
+    tool_call_id: Annotated[Text | None, Field(validate_default=True)] = None
+    content: Annotated[Text | Annotated[list[TextContentPart], Field(min_length=1)] | None,
+                       Field(validate_default=True)] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -181,6 +226,24 @@ class ChatMessage(StrictModel):
                 if isinstance(kind, str) and kind != "text":
                     raise ValueError(f"content parts of type {kind!r} are not supported: the models Octavo "
                                      "serves read text only")
+        return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_by_role(cls, tool_call_id: str | None, info: ValidationInfo) -> str | None:
+        if tool_call_id is None and info.data.get("role") == "tool":
+            raise _missing_for_role("tool_call_id", "tool")
+        return tool_call_id
+
+    @field_validator("content")
+    @classmethod
+    def _content_by_role(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role in ROLES_NEEDING_CONTENT:
+            raise _missing_for_role("content", role)
+        if content is None and role == "assistant" and not info.data.get("tool_calls") \
+                and "tool_calls" in info.data:
+            raise _missing_for_role("content", role, " or 'tool_calls'")
         return content
 
     @model_validator(mode="after")
@@ -200,19 +263,6 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(StrictModel):
-    """`{"type": "text"}`: the JSON formats (json_object, json_schema) need guided decoding, which is not served."""
-
-    type: Literal["text"]
-
-    @field_validator("type", mode="before")
-    @classmethod
-    def _text_only(cls, kind: Any) -> Any:
-        if isinstance(kind, str) and kind in ("json_object", "json_schema"):
-            raise ValueError(f"{kind!r} needs guided decoding, which this server does not serve; only 'text' is")
-        return kind
-
-
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
@@ -226,7 +276,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # absent: "auto" with tools, else "none" (OpenAI); null: "none" (vLLM)
     parallel_tool_calls: bool | None = None  # accepted; no tool calls are produced to run in parallel
@@ -314,3 +363,13 @@ class DetokenizeRequest(StrictModel):
 
     model: Text | None = None
     tokens: TokenIds
+
+
+def _endpoint_only_fields(model: type[StrictModel], other: type[StrictModel], path: str) -> dict[str, str]:
+    return dict.fromkeys(sorted(set(model.model_fields) - set(other.model_fields)), path)
+
+
+CompletionRequest.OTHER_ENDPOINT_FIELDS = _endpoint_only_fields(ChatCompletionRequest, CompletionRequest,
+                                                                "/v1/chat/completions")
+ChatCompletionRequest.OTHER_ENDPOINT_FIELDS = _endpoint_only_fields(CompletionRequest, ChatCompletionRequest,
+                                                                    "/v1/completions")

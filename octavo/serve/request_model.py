@@ -2,16 +2,20 @@
 
 `StrictModel`: a JSON string is not a number, `1.0` is not an integer, infinities and NaN are
 rejected. An unknown field is ignored and logged as a warning, as vLLM does (clients send fields of
-newer API versions, and echo back whole response messages), except the fields of vLLM's that change
-what is generated and that this server does not serve (UNSERVED_FIELDS): those are a 400 that names
-them, unless set to their "off" value, rather than an answer without them. `Text` and `JsonObject`
-refuse lone surrogates, which JSON can spell ("\\ud800") and no tokenizer or UTF-8 encoder accepts.
-`NullMeansDefault`: the fields it names take an explicit null as their default.
+newer API versions, and echo back whole response messages), except two kinds, which are a 400 that
+names them rather than an answer without them: the fields of vLLM's that change what is generated
+and that this server does not serve (UNSERVED_FIELDS), unless set to their "off" value, and a field
+of the other endpoint (`OTHER_ENDPOINT_FIELDS`: `messages` sent to /v1/completions, `echo` to
+/v1/chat/completions). `Text` and `JsonObject` refuse lone surrogates, which JSON can spell
+("\\ud800") and no tokenizer or UTF-8 encoder accepts; `JsonObject` also refuses NaN and the
+infinities anywhere inside it (Python's JSON reader accepts `NaN`, `Infinity` and `1e999`; JSON has no
+such numbers). `NullMeansDefault`: the fields it names take an explicit null as their default.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Annotated, Any, ClassVar
 
@@ -35,12 +39,15 @@ def valid_unicode(text: str) -> str:
 
 
 def valid_unicode_json(value: Any) -> Any:
-    """`value` unless a key or string anywhere inside it holds a surrogate code point (walked without recursion)."""
+    """`value` unless a key or string anywhere inside it holds a surrogate code point, or a number inside it is
+    NaN or infinite, which JSON cannot spell (walked without recursion)."""
     pending = [value]
     while pending:
         node = pending.pop()
         if isinstance(node, str):
             valid_unicode(node)
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise ValueError(f"not a JSON number: {node} (JSON has no NaN or infinities)")
         elif isinstance(node, dict):
             for key, item in node.items():
                 valid_unicode(key)
@@ -57,8 +64,8 @@ TokenIds = list[TokenId]
 
 
 UNSERVED_FIELDS = {
-    **dict.fromkeys(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                     "guided_whitespace_pattern", "structured_outputs", "structural_tag"], "guided decoding"),
+    **dict.fromkeys(["guided_whitespace_pattern", "structural_tag"], "guided decoding the grammar engine here "
+                    "(xgrammar) has not"),
     **dict.fromkeys(["use_beam_search", "best_of", "length_penalty"], "beam search and best-of sampling"),
     "allowed_token_ids": "restricting the vocabulary",
     "bad_words": "banned words",
@@ -80,22 +87,30 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
 
 
 class StrictModel(BaseModel):
-    """A request object: strict types; unknown fields ignored (a warning names them), unserved ones refused."""
+    """A request object: strict types; unknown fields ignored (a warning names them), unserved ones and the
+    other endpoint's refused."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    OTHER_ENDPOINT_FIELDS: ClassVar[dict[str, str]] = {}
+    """Fields of another endpoint's request that this one does not take -> that endpoint's path."""
 
     @model_validator(mode="before")
     @classmethod
     def _unknown_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        unknown = [name for name in data if name not in cls.model_fields]
+        known = cls.model_fields.keys() | {field.alias for field in cls.model_fields.values() if field.alias}
+        unknown = [name for name in data if name not in known]
         for name in unknown:
             if isinstance(name, str) and SURROGATE.search(name):  # no text of a request may be invalid
                 raise PydanticCustomError("string_unicode", "a field name that is not valid Unicode")
             if name in UNSERVED_FIELDS and not _asks_for_nothing(name, data[name]):
                 raise PydanticCustomError("unserved_field", "'{field}' asks for {what}, which this server does not "
                                           "serve", {"field": name, "what": UNSERVED_FIELDS[name]})
+            if name in cls.OTHER_ENDPOINT_FIELDS:
+                raise PydanticCustomError("other_endpoint_field", "'{field}' is a parameter of {endpoint}, not of "
+                                          "this endpoint", {"field": name, "endpoint": cls.OTHER_ENDPOINT_FIELDS[name]})
         if unknown:
             logger.warning("ignoring unknown field%s of %s: %s", "s" if len(unknown) > 1 else "", cls.__name__,
                            ", ".join(repr(name) for name in unknown))

@@ -1,11 +1,17 @@
 """torch backend quantized linears: each CPU kernel against dequantize-then-matmul in float32, and the choice.
 
-Tolerances follow from the arithmetic of each kernel. The packed kernels compute in
-bfloat16: the activation, the scale and the zero point are each rounded once to bfloat16
-(relative error <= 2^-9 each) and so is the result, so every output element is within
-4 * 2^-9 = 2^-7 of sum_k |x_k| (|w_k| + |q_k - 8| * scale + |zero|) of the float32 result
-(the bound's weight term covers both the product and the rounded terms of the weight).
-The dequantized kernel in float32 only reorders float32 sums.
+Tolerances follow from the arithmetic of each kernel, as multiples of S = sum_k |x_k| |w_k|
+(with the weight's magnitude taken as what the kernel multiplies: for int4pack |q_k - 8| * scale
++ |zero|, for int8pack |w_k| + scale):
+
+- float32 (the dequantized kernel in float32): two float32 sums of K products in different orders
+  (the kernel's and the reference's) each lie within gamma_K S, gamma_K = K u / (1 - K u) with
+  u = 2^-24, of the exact sum; for fp8 the scales multiply the result (one more rounding of the
+  output) where the reference rounds each dequantized weight (one more of each term): 2 u S more.
+- bfloat16 (the packed kernels, and dequantized weights in bfloat16): the activation, the scale
+  and the zero point (or the dequantized weight) are each rounded once to bfloat16 (relative
+  error <= 2^-9 each), and so is the result (and a bfloat16 reference's own result): at most four
+  such roundings, 4 * 2^-9 = 2^-7 of S, plus the float32 accumulation's 2 gamma_K S.
 """
 
 from __future__ import annotations
@@ -37,8 +43,17 @@ def _data(rows: int, columns: int, out: int, seed: int = 0):
             torch.randn(out, generator=generator))
 
 
+def _gamma(columns: int) -> float:
+    """The relative error bound of a float32 sum of `columns` products (gamma_K)."""
+    return columns * 2**-24 / (1 - columns * 2**-24)
+
+
 def _bf16_bound(x: torch.Tensor, weight_magnitude: torch.Tensor) -> torch.Tensor:
-    return 2**-7 * (x.abs() @ weight_magnitude.T)
+    return (2**-7 + 2 * _gamma(x.shape[-1])) * (x.abs().float() @ weight_magnitude.float().T)
+
+
+def _f32_bound(x: torch.Tensor, weight_magnitude: torch.Tensor, extra_roundings: int = 0) -> torch.Tensor:
+    return (2 * _gamma(x.shape[-1]) + extra_roundings * 2**-24) * (x.abs().float() @ weight_magnitude.float().T)
 
 
 def _check(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
@@ -65,9 +80,20 @@ def test_int4pack_kernel(rows, columns, out, group):
     packed = pack_int4(quantized.qweight, quantized.scales, quantized.offsets, group, torch.bfloat16)
     actual = linear_int4pack(x, packed["packed"], packed["scales_and_zeros"], bias, group, out)
     dense = quantized.dequantize()
+    _check(actual, linear_reference(x, dense, bias), _bf16_bound(x, _int4pack_magnitude(quantized, group, columns)))
+
+
+def _scale_per_weight(quantized, columns: int) -> torch.Tensor:
+    """The scale each weight is multiplied by: [N, K] from per-channel ([N] or [N, 1]) or group-wise scales."""
+    scales = quantized.scales.float().reshape(quantized.scales.shape[0], -1)
+    return scales.repeat_interleave(-(-columns // scales.shape[1]), 1)[:, :columns]
+
+
+def _int4pack_magnitude(quantized, group: int, columns: int) -> torch.Tensor:
+    """|w| + 8 scale + |zero| per weight: what int4pack's terms (q - 8) * scale + zero can round (see the docstring)."""
     scale = quantized.scales.float().repeat_interleave(group, 1)[:, :columns]
     zero = (quantized.offsets.float() + 8 * quantized.scales.float()).repeat_interleave(group, 1)[:, :columns]
-    _check(actual, linear_reference(x, dense, bias), _bf16_bound(x, dense.abs() + 8 * scale + zero.abs()))
+    return quantized.dequantize().abs() + 8 * scale + zero.abs()
 
 
 @pytest.mark.parametrize(("rows", "columns", "out", "group"), SHAPES)
@@ -81,7 +107,10 @@ def test_dequantized_kernel_in_float32(rows, columns, out, group, layout):
         actual = linear_dequantized(x, quantized.qweight.float(), quantized.scales, bias)
     else:
         actual = linear_dequantized(x, dense, None, bias)
-    bound = 1e-6 * (x.abs() @ dense.abs().T) + 1e-6  # float32 sums in another order, one more rounding for fp8
+    # float32 sums in another order; fp8: one more rounding of the output and of each dequantized weight.
+    bound = _f32_bound(x, dense.abs(), extra_roundings=2 if layout == "fp8" else 0)
+    # The bias is added to both in float32: one more rounding of the output, 2^-24 |y| <= 2^-24 (S + |bias|).
+    bound = bound + 2**-24 * (x.abs() @ dense.abs().T + bias.abs())
     _check(actual, linear_reference(x, dense, bias), bound)
 
 
@@ -93,7 +122,7 @@ def test_bfloat16_activations_stay_bfloat16():
     actual = linear_int4pack(x, packed["packed"], packed["scales_and_zeros"], None, 32, 32)
     expected = linear_reference(x, quantized.dequantize(), None)
     assert actual.dtype == torch.bfloat16
-    torch.testing.assert_close(actual.float(), expected.float(), atol=0.05, rtol=2**-6)
+    _check(actual, expected, _bf16_bound(x, _int4pack_magnitude(quantized, 32, 64)))
 
 
 # ---------------------------------------------------------------- choice and packing at load
@@ -102,13 +131,14 @@ FAST = CpuFeatures(avx512=True, native_bf16=True)
 AVX2 = CpuFeatures(avx512=False, native_bf16=False)
 
 
-def _quantized_graph(weight: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]:
-    """x -> five quantized linears of `weight` (w8 per channel, w8 groups of 32, w4 groups 32 and 48, fp8), summed."""
+def _quantized_graph(weight: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[str, torch.Tensor], dict]:
+    """x -> five quantized linears of `weight` (w8 per channel, w8 groups of 32, w4 groups 32 and 48, fp8); their
+    dequantized weights and the bfloat16 bound's weight magnitude of each."""
     variants = {"w8": quantize_w8(weight), "w8g": quantize_w8(weight, 32), "w4": quantize_w4(weight, 32),
                 "w4g48": quantize_w4(weight, 48), "fp8": quantize_fp8(weight)}
     module, graph = torch.nn.Module(), torch.fx.Graph()
     x = graph.placeholder("x")
-    results, dense = [], {}
+    results, dense, magnitude = [], {}, {}
     for name, quantized in variants.items():
         nodes = []
         for role, tensor in quantized.tensors().items():
@@ -118,8 +148,10 @@ def _quantized_graph(weight: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[s
         extra = () if quantized.layout == "fp8" else (quantized.group_size,)
         results.append(graph.call_function(op, (x, *nodes, None, *extra)))
         dense[name] = quantized.dequantize()
+        magnitude[name] = _int4pack_magnitude(quantized, quantized.group_size, weight.shape[1]) \
+            if quantized.layout == "w4" else dense[name].abs() + _scale_per_weight(quantized, weight.shape[1])
     graph.output(tuple(results))
-    return torch.fx.GraphModule(module, graph), dense
+    return torch.fx.GraphModule(module, graph), dense, magnitude
 
 
 # The last linear (here fp8) produces the logits: in float32 whenever the activations are float32.
@@ -133,22 +165,23 @@ def _quantized_graph(weight: torch.Tensor) -> tuple[torch.fx.GraphModule, dict[s
 def test_kernel_choice_by_machine_and_packed_graph_computes_the_reference(features, dtype, expected, compute):
     x, weight, _ = _data(3, 96, 32, seed=4)
     x = x.to(dtype)
-    gm, dense = _quantized_graph(weight)
+    gm, dense, magnitude = _quantized_graph(weight)
     choices = pack_quantized_linears(gm, dtype, features)
     kernels = [node.target._opname.removeprefix("linear_") for node in gm.graph.nodes if node.op == "call_function"]
     assert kernels == expected
     assert sum(choices.values()) == 5
     assert Counter(f"{kernel} ({dtype})" for kernel, dtype in zip(expected, compute, strict=True)) == choices
-    for actual, reference in zip(gm(x), dense.values(), strict=True):
-        expected_output = linear_reference(x, reference, None)
-        torch.testing.assert_close(actual.float(), expected_output.float(), atol=0.05, rtol=2**-6)
+    for actual, name, dtype in zip(gm(x), dense, compute, strict=True):
+        bound = _bf16_bound(x, magnitude[name]) if dtype == "bfloat16" else \
+            _f32_bound(x, dense[name].abs(), extra_roundings=2 if name == "fp8" else 0)
+        _check(actual, linear_reference(x, dense[name], None), bound)
     assert not any("_qweight" in name and "int8pack" not in name for name, _ in gm.named_buffers()), \
         "portable weights that no kernel reads any more are dropped"
 
 
 def test_forcing_the_dequantized_kernel(monkeypatch):
     monkeypatch.setenv(FORCE_KERNEL_ENV, "dequantized")
-    gm, _ = _quantized_graph(_data(1, 96, 32)[1])
+    gm, _, _ = _quantized_graph(_data(1, 96, 32)[1])
     pack_quantized_linears(gm, torch.float32, FAST)
     assert {node.target for node in gm.graph.nodes if node.op == "call_function"} == {
         torch.ops.octavo_torch.linear_dequantized.default}
@@ -164,4 +197,5 @@ def test_int8pack_takes_a_misaligned_weight(one_thread):
     packed = pack_int8(misaligned, quantized.scales, torch.bfloat16)
     x = torch.randn(9, 64)
     actual = linear_int8pack(x, packed["qweight"], packed["scales"], None)
-    torch.testing.assert_close(actual, linear_reference(x, quantized.dequantize(), None), atol=0.05, rtol=2**-6)
+    dense = quantized.dequantize()
+    _check(actual, linear_reference(x, dense, None), _bf16_bound(x, dense.abs() + quantized.scales))

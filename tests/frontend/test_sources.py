@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from octavo.errors import ModelSourceError, OctavoError, UnsupportedArchitectureError
+from octavo.frontend.architectures import ARCHITECTURES
 from octavo.frontend.sources import BUNDLED_MODELS, load_model
 
-SUPPORTED = "llama, mistral, qwen2, qwen3"
+SUPPORTED = ", ".join(sorted(ARCHITECTURES))
 
 
 @pytest.fixture

@@ -45,3 +45,16 @@ def test_fake_impl_gives_the_real_shape_and_dtype():
 
 def test_schema_follows_the_op_contract():
     assert str(octavo.silu_and_mul.default._schema) == "octavo::silu_and_mul(Tensor x) -> Tensor"
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("intermediate", [128, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_and_mul_equals_gemma_mlp_arithmetic_bitwise(approximate, intermediate, dtype):
+    torch.manual_seed(intermediate)
+    # Gemma: act_fn(gate_proj(x)) * up_proj(x) with act_fn gelu_pytorch_tanh (F.gelu(approximate="tanh")).
+    gate, up = (torch.randn(2, 1, 9, intermediate) * 3).to(dtype)
+    expected = F.gelu(gate, approximate=approximate) * up
+    result = octavo.gelu_and_mul(torch.cat([gate, up], dim=-1), approximate)
+    assert result.shape == (1, 9, intermediate) and result.dtype == dtype
+    assert torch.equal(result, expected)

@@ -23,11 +23,12 @@ BLOCK_SIZE = 16
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                    window: int) -> torch.Tensor:
+                    window: int, soft_cap: float = 0.0) -> torch.Tensor:
     """Float64 causal attention: query [q, Hq, D] are the last q positions of a context keys/values [L, Hkv, D].
 
     Query head h reads kv head h // (Hq / Hkv); position p sees positions
-    max(0, p - window + 1) .. p (all of 0 .. p without a window).
+    max(0, p - window + 1) .. p (all of 0 .. p without a window). With a
+    soft-cap c, each score s becomes c * tanh(s / c) (Gemma 2).
     """
     q_len, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = keys.shape
@@ -39,6 +40,8 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         first = 0 if window <= 0 else max(0, position - window + 1)
         visible = slice(first, position + 1)
         scores = torch.einsum("hd,jhd->hj", query[i].double(), keys[visible]) * scale
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         output[i] = torch.einsum("hj,jhd->hd", scores.softmax(dim=-1), values[visible])
     return output
 
@@ -58,9 +61,10 @@ class PagedBatch:
     query_start_loc: torch.Tensor
     contexts: list[tuple[torch.Tensor, torch.Tensor]]  # full K/V [L, Hkv, D] of each sequence
 
-    def arguments(self, scale: float, window: int) -> tuple:
+    def arguments(self, scale: float, window: int, soft_cap: float = 0.0) -> tuple:
+        capped = (None, None, soft_cap) if soft_cap else ()
         return (self.query, self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping,
-                self.block_tables, self.seq_lens, self.query_start_loc, scale, window)
+                self.block_tables, self.seq_lens, self.query_start_loc, scale, window, *capped)
 
 
 def make_batch(shapes: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -111,14 +115,15 @@ def expected_caches(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
-def check_against_dense(batch: PagedBatch, scale: float, window: int, tolerance: float = 1e-5) -> None:
+def check_against_dense(batch: PagedBatch, scale: float, window: int, tolerance: float = 1e-5,
+                        soft_cap: float = 0.0) -> None:
     expected_key_cache, expected_value_cache = expected_caches(batch)
-    output = paged_attention(*batch.arguments(scale, window))
+    output = paged_attention(*batch.arguments(scale, window, soft_cap))
     assert output.shape == batch.query.shape and output.dtype == batch.query.dtype
     starts = batch.query_start_loc.tolist()
     for index, (keys, values) in enumerate(batch.contexts):
         start, end = starts[index], starts[index + 1]
-        expected = dense_attention(batch.query[start:end], keys, values, scale, window)
+        expected = dense_attention(batch.query[start:end], keys, values, scale, window, soft_cap)
         torch.testing.assert_close(output[start:end].double(), expected, atol=tolerance, rtol=tolerance,
                                    msg=lambda message, index=index: f"sequence {index}: {message}")
     assert torch.equal(batch.key_cache, expected_key_cache)
@@ -139,6 +144,20 @@ def test_mixed_batch_matches_dense_definition(num_heads, num_kv_heads):
 def test_sliding_window_matches_dense_definition(window):
     batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=8)
     check_against_dense(batch, scale=1 / math.sqrt(8), window=window)
+
+
+@pytest.mark.parametrize("window", [-1, 6])
+def test_soft_capped_scores_match_dense_definition(window):
+    """A cap below the scores' spread (scale 1 over 8 dims of unit normals): tanh bends them."""
+    batch = make_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=8, num_padding=2)
+    check_against_dense(batch, scale=1.0, window=window, soft_cap=2.0)
+
+
+def test_soft_cap_changes_the_result_and_a_huge_cap_does_not():
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=8)
+    plain = paged_attention(*batch.arguments(1.0, -1))
+    assert not torch.allclose(paged_attention(*batch.arguments(1.0, -1, 2.0)), plain, atol=1e-2)
+    torch.testing.assert_close(paged_attention(*batch.arguments(1.0, -1, 1e6)), plain, atol=1e-5, rtol=1e-5)
 
 
 def test_window_longer_than_every_context_equals_full_attention():

@@ -24,7 +24,7 @@ from octavo.passes import PassContext, run_pipeline
 from octavo.runtime.kv_cache import pool_shapes
 from tests.tiny_models import make_tiny_model
 
-BASE_PASSES = ["canonicalize", "match_attention", "prune_logits"]
+BASE_PASSES = ["canonicalize", "match_attention", "prune_logits", "match_moe"]
 FUSION_PASSES = ["fuse_rms_norm", "fuse_add_rms_norm", "fuse_qkv", "fuse_gate_up", "fuse_activation", "fuse_rope",
                  "fuse_pointwise"]
 ALL_PASSES = BASE_PASSES + FUSION_PASSES

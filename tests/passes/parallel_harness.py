@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Interpreter
 from octavo.config import RankPosition
 from octavo.ir.ops.collectives import all_gather_reference, all_reduce_reference
 from octavo.passes.rank_program import RankProgram, prepare_rank_program
+from octavo.runtime.kv_cache import pool_shapes
 
 octavo = torch.ops.octavo
 BLOCK_SIZE = 16
@@ -60,9 +61,9 @@ def run_graph(graph_module: GraphModule, feed: dict[str, torch.Tensor], exchange
 
 
 def make_caches(kv_layout: dict, num_blocks: int) -> dict[str, torch.Tensor]:
-    shape = (num_blocks, kv_layout["block_size"], kv_layout["num_kv_heads"], kv_layout["head_dim"])
-    dtype = getattr(torch, kv_layout["cache_dtype"])
-    return {name: torch.zeros(shape, dtype=dtype) for pair in kv_layout["cache_inputs"] for name in pair}
+    """Every KV pool of the layout (and the scale pools of a quantized cache), zeroed."""
+    return {name: torch.zeros((num_blocks, *shape), dtype=dtype) for name, (shape, dtype) in
+            pool_shapes(kv_layout).items()}
 
 
 @dataclass

@@ -95,3 +95,29 @@ def test_scaled_rope_is_reproduced_exactly():
 def test_a_second_run_finds_nothing_and_fails():
     with pytest.raises(PassError, match="found no rotate_half RoPE"):
         compiled("llama", "float32", (*passes_through(PASS), PASS))
+
+
+def test_longrope_rows_are_hfs_rotation_of_each_position_as_the_newest_token(tiny_model_dir, tiny_artifact):
+    """Phi-3's longrope picks short or long factors by the batch's largest position: row p of the cache is what HF
+    computes for position p when p is the last position it sees (generation over a KV cache), so short factors
+    below original_max_position_embeddings and long ones from there on, both in one table."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import PHI3_ORIGINAL_CONTEXT
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("phi3"), dtype=torch.float32).eval()
+    cache = load_file(str(tiny_artifact("phi3") / "weights.safetensors"))["rotary_cos_sin_cache"]
+    probe = torch.empty(0)
+    expected = []
+    with torch.no_grad():
+        for position in range(MAX_POSITIONS):
+            cos, sin = model.model.rotary_emb(probe, torch.arange(position + 1).unsqueeze(0))
+            expected.append(torch.stack([cos[0, -1], sin[0, -1]]))
+    expected = torch.stack(expected)
+    assert cache.shape == expected.shape == (MAX_POSITIONS, 2, 12)
+    assert torch.equal(cache, expected)
+    short, long = expected[PHI3_ORIGINAL_CONTEXT - 1], expected[PHI3_ORIGINAL_CONTEXT]
+    with torch.no_grad():  # the two halves really use different factors
+        everything = model.model.rotary_emb(probe, torch.arange(MAX_POSITIONS).unsqueeze(0))[0][0]
+    assert not torch.equal(everything[:PHI3_ORIGINAL_CONTEXT], expected[:PHI3_ORIGINAL_CONTEXT, 0])
+    assert not torch.equal(short, long)

@@ -142,3 +142,63 @@ def test_rank_program_round_trips_through_graph_onnx(artifacts):
     assert collectives == [(node.name, node.target, node.args[1:]) for node in program.graph_module.graph.nodes
                            if node.op == "call_function" and "all_" in str(node.target)]
     assert len(collectives) == 2 * LAYERS + 2
+
+
+# The quantized artifacts the quantization and engine tests build too (shared through the session).
+QUANTIZED = [{"quant": "w4", "kv_cache_dtype": "int8"}, {"quant": "w8", "vocab_quant": "w4"}]
+
+
+@pytest.mark.parametrize("options", QUANTIZED, ids=["w4-int8kv", "w8-w4vocab"])
+def test_quantized_linears_split_with_their_scales(tiny_quantized_artifact, options):
+    """The ops' reference definitions dequantize in float32, so sharding reorders float32 sums only (ATOL)."""
+    artifact = load_artifact(tiny_quantized_artifact("llama", **options))
+    assert_layouts_compute_the_same_logits(artifact, [(2, 1)])
+    program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    prefix = "model_layers_0_mlp_down_proj"
+    full, local = artifact.weights[f"{prefix}_qweight"], program.weights[f"{prefix}_qweight"]
+    columns = full.shape[1] // 2  # rank 1 of 2: the second half of the input features (w4: of the bytes)
+    torch.testing.assert_close(local, full[:, columns:], rtol=0, atol=0)
+    weight = next(node for node in program.graph_module.graph.find_nodes(op="placeholder")
+                  if node.name == f"{prefix}_qweight")
+    (down,) = weight.users
+    group_size = down.args[-1]
+    groups = artifact.weights[f"{prefix}_scales"].shape[1]
+    if groups > 1:  # group-wise scales: the rank keeps the scale columns of its own groups
+        torch.testing.assert_close(program.weights[f"{prefix}_scales"],
+                                   artifact.weights[f"{prefix}_scales"][:, groups // 2:], rtol=0, atol=0)
+    else:  # one scale per row: kept whole, the group becomes the rank's columns
+        assert group_size == full.shape[1] // 2
+
+
+def test_a_quantization_group_that_would_straddle_two_ranks_is_named(tiny_quantized_artifact):
+    artifact = load_artifact(tiny_quantized_artifact("llama", quant="w4", kv_cache_dtype="int8"))
+    # 4 ranks: o_proj's 64 input features give each rank 16, half a group of 32.
+    with pytest.raises(PassError, match=r"rank columns \[0, 16\) of 64 cut a quantization group of 32 columns"):
+        prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(4, 0))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_experts_split_by_intermediate_columns_compute_the_unsharded_logits(artifacts, model_type):
+    """Qwen2-MoE adds a shared expert (a gated MLP) behind a one-feature sigmoid gate, computed whole on each rank."""
+    assert_layouts_compute_the_same_logits(artifacts(model_type), [(2, 1), (4, 1)])
+
+
+def test_expert_weight_slices_of_a_rank(artifacts):
+    artifact = artifacts("qwen2_moe")
+    program = prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(2, 1))
+    stats = program.history[0]["stats"]
+    assert stats["moe_layers"] == LAYERS and stats["mlp_layers"] == LAYERS  # the shared experts
+    gate_up = artifact.weights["model_layers_0_mlp_experts_gate_up_proj"]  # [4 experts, 2 x 32, 64]
+    expected = torch.cat([gate_up[:, 16:32], gate_up[:, 48:64]], dim=1)
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_gate_up_proj"], expected, rtol=0, atol=0)
+    down = artifact.weights["model_layers_0_mlp_experts_down_proj"]  # [4, 64, 32]
+    torch.testing.assert_close(program.weights["model_layers_0_mlp_experts_down_proj"], down[:, :, 16:],
+                               rtol=0, atol=0)
+    router = "model_layers_0_mlp_gate_weight"
+    torch.testing.assert_close(program.weights[router], artifact.weights[router], rtol=0, atol=0)
+
+
+def test_experts_that_do_not_divide_are_named(artifacts):
+    artifact = artifacts("mixtral")  # expert intermediate size 32
+    with pytest.raises(PassError, match="tensor parallel size 3 does not divide"):
+        prepare_rank_program(artifact.graph_module, artifact.weights, artifact.manifest, RankPosition(3, 0))

@@ -115,7 +115,7 @@ def test_without_a_compiler_auto_falls_back_to_eager_and_compiled_fails_clearly(
     for name, value in (("OCTAVO_CACHE_DIR", tmp_path / "cache"), ("PATH", empty), ("CXX", "no-such-compiler"),
                         ("OCTAVO_EXECUTOR", "auto")):
         monkeypatch.setenv(name, str(value))
-    with caplog.at_level(logging.WARNING, logger="octavo.runtime.executor"):
+    with caplog.at_level(logging.WARNING, logger="octavo.runtime.executor_choice"):
         engines = [make_engine(artifact, executor="auto") for _ in range(2)]
     assert [engine.executor_kind for engine in engines] == ["eager", "eager"]
     warnings = [record.getMessage() for record in caplog.records if "running the graph eagerly" in record.getMessage()]

@@ -75,3 +75,38 @@ def tiny_offline(tiny_llama_artifact):
     from octavo.llm import LLM
 
     return LLM(tiny_llama_artifact, num_kv_blocks=TINY_NUM_KV_BLOCKS, max_model_len=TINY_MAX_MODEL_LEN)
+
+
+TOOL_TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\nYou can call these functions:\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "<tool_call>{{ {'id': call.id, 'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "</tool_call>{%- endfor %}"
+    "{%- if message.tool_call_id %} [result of {{ message.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A chat template that renders tools and tool conversations (the bundled model's template ignores both),
+writing calls in the hermes format (<tool_call>), so the server reads replies with the hermes parser."""
+
+
+@pytest.fixture(scope="package")
+def tool_artifact(tiny_llama_variant):
+    """The tiny llama with TOOL_TEMPLATE as its chat template."""
+    from transformers import AutoTokenizer
+
+    def with_tool_template(source):
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer.chat_template = TOOL_TEMPLATE
+        tokenizer.save_pretrained(source)
+
+    return tiny_llama_variant("tools", with_tool_template)
+
+
+@pytest.fixture(scope="package")
+def tool_server(tool_artifact, tmp_path_factory):
+    """`octavo serve` of the tool-template artifact, shared by the tool tests (512 tokens: tools make long prompts)."""
+    with running_server(tool_artifact, tmp_path_factory.mktemp("serve-tools"), "--num-kv-blocks", "128",
+                        "--max-model-len", "512") as server:
+        yield server

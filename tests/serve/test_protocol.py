@@ -6,6 +6,8 @@ Greedy requests with the nulls must give the same text, tokens and usage as the 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -80,7 +82,7 @@ def test_unserved_vllm_fields_set_to_off_are_ignored(tiny_server):
 
 
 @pytest.mark.parametrize(("path", "base", "field", "value"), [
-    ("/v1/chat/completions", CHAT, "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", CHAT, "guided_whitespace_pattern", r"\s*"),
     ("/v1/completions", COMPLETION, "best_of", 2),
     ("/v1/chat/completions", CHAT, "chat_template", "{{ messages[0]['content'] }}"),
     ("/v1/completions", COMPLETION, "use_beam_search", True),
@@ -106,10 +108,96 @@ def test_content_parts_other_than_text_are_refused_by_type(tiny_server):
     assert "'image_url'" in error["message"] and "text only" in error["message"], error["message"]
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_json_response_formats_are_refused_naming_what_they_need(tiny_server, kind):
-    response = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60,
-                          json={**CHAT, "response_format": {"type": kind}})
+
+# ---- what the OpenAI API's schema requires, refused with a 400 that names the field
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user"}, "messages.0.content"),
+    ({"role": "system", "content": None}, "messages.0.content"),
+    ({"role": "developer"}, "messages.0.content"),
+    ({"role": "tool", "tool_call_id": "call_1"}, "messages.0.content"),
+    ({"role": "tool", "content": "22 C"}, "messages.0.tool_call_id"),
+    ({"role": "assistant"}, "messages.0.content"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages.0.content"),
+    ({"role": "user", "content": []}, "messages.0.content"),
+])
+def test_a_message_without_what_its_role_requires_is_refused_naming_the_field(tiny_server, message, param):
+    response = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**CHAT, "messages": [message]}, timeout=60)
     error = response.json()["error"]
-    assert response.status_code == 400 and error["param"] == "response_format.type", response.text
-    assert f"'{kind}'" in error["message"] and "guided decoding" in error["message"], error["message"]
+    assert response.status_code == 400 and error["param"] == param, response.text
+    assert error["message"].startswith(("Missing required parameter: ", f"Invalid '{param}'")), error["message"]
+
+
+def test_an_assistant_message_with_tool_calls_needs_no_content(tiny_server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "22 C", "tool_call_id": "call_1"}]
+    answer(tiny_server, "/v1/chat/completions", {**CHAT, "messages": messages})
+
+
+@pytest.mark.parametrize(("path", "base", "field", "value", "owner"), [
+    ("/v1/completions", COMPLETION, "messages", [{"role": "user", "content": "Hi"}], "/v1/chat/completions"),
+    ("/v1/completions", COMPLETION, "max_completion_tokens", 4, "/v1/chat/completions"),
+    ("/v1/completions", COMPLETION, "top_logprobs", None, "/v1/chat/completions"),
+    ("/v1/completions", COMPLETION, "tools", [], "/v1/chat/completions"),
+    ("/v1/chat/completions", CHAT, "prompt", "Hello", "/v1/completions"),
+    ("/v1/chat/completions", CHAT, "echo", False, "/v1/completions"),
+    ("/v1/chat/completions", CHAT, "suffix", None, "/v1/completions"),
+])
+def test_a_parameter_of_the_other_endpoint_is_refused_by_name(tiny_server, path, base, field, value, owner):
+    """Sent to the wrong endpoint, a parameter would be ignored silently: a 400 names it and where it belongs."""
+    response = httpx.post(f"{tiny_server.url}{path}", json={**base, field: value}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field, response.text
+    assert f"'{field}' is a parameter of {owner}" in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(("field", "value", "message", "code"), [
+    ("temperature", 3, "Invalid 'temperature': integer above maximum value. Expected a value <= 2, but got 3 instead.",
+     "integer_above_max_value"),
+    ("top_p", 1.5, "Invalid 'top_p': decimal above maximum value. Expected a value <= 1, but got 1.5 instead.",
+     "decimal_above_max_value"),
+    ("top_p", 0, "Invalid 'top_p': integer below minimum value. Expected a value > 0, but got 0 instead.",
+     "integer_below_min_value"),
+    ("presence_penalty", -2.5, "Invalid 'presence_penalty': decimal below minimum value. Expected a value >= -2, "
+     "but got -2.5 instead.", "decimal_below_min_value"),
+    ("n", 129, "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 129 instead.",
+     "integer_above_max_value"),
+    ("stop", ["a", "b", "c", "d", "e"], "Invalid 'stop': array too long. Expected an array with maximum length 4, "
+     "but got an array with length 5 instead.", "array_above_max_length"),
+    ("stop", [], "Invalid 'stop': empty array. Expected an array with minimum length 1, but got an empty array "
+     "instead.", "empty_array"),
+    ("metadata", {"k" * 65: "v"}, f"Invalid 'metadata.{'k' * 65}': string too long. Expected a string with "
+     "maximum length 64, but got a string with length 65 instead.",
+     "string_above_max_length"),
+])
+def test_a_value_outside_its_documented_range_is_refused_in_openais_words(tiny_server, field, value, message, code):
+    response = httpx.post(f"{tiny_server.url}/v1/completions", json={**COMPLETION, field: value}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"].split(".")[0] == field, response.text
+    assert (error["message"], error["code"]) == (message, code)
+
+
+def test_messages_must_not_be_empty_in_openais_words(tiny_server):
+    response = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={**CHAT, "messages": []}, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "empty_array", response.text
+    assert error["message"] == ("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an "
+                                "empty array instead.")
+
+
+@pytest.mark.parametrize(("path", "base", "field", "value"), [
+    ("/v1/completions", COMPLETION, "stream_options", {"include_usage": True}),
+    ("/v1/chat/completions", CHAT, "service_tier", "premium"),
+    ("/v1/completions", COMPLETION, "prompt", []),
+    ("/v1/completions", COMPLETION, "prompt", [[1, 2], []]),
+    ("/v1/completions", COMPLETION, "logit_bias", {" 5": 1}),
+    ("/v1/chat/completions", CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {
+        "x": float("nan")}}}]),
+])
+def test_other_values_the_schema_refuses(tiny_server, path, base, field, value):
+    """stream_options without stream: true; a service tier OpenAI does not name; an empty prompt list; a logit_bias
+    key that is not a token id's digits; NaN, which JSON cannot write, inside a tool's JSON schema."""
+    response = httpx.post(f"{tiny_server.url}{path}", content=json.dumps({**base, field: value}), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"].split(".")[0] == field, response.text

@@ -1,7 +1,8 @@
 """Tools and chat-template fields on `octavo serve`, against the tokenizer's own `apply_chat_template`.
 
-tool_choice "none" renders tools into the prompt; choices that need tool-call parsing are 400;
-`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` reach the template.
+tool_choice "none" renders tools into the prompt; tool choices that name no tool or an unknown one are 400
+(the calls themselves: test_tool_calls.py); `chat_template_kwargs`, `add_generation_prompt` and
+`continue_final_message` reach the template.
 
 The tiny llama is compiled here with a chat template that renders tools and tool conversations (the
 bundled model's template ignores both), so that a prompt with tools differs from one without. The
@@ -13,21 +14,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from tests.serve.conftest import artifact_tokenizer
-from tests.serve.server_process import running_small_server
 
-TOOL_TEMPLATE = (
-    "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
-    "{%- if tools %}<|im_start|>system\nYou can call these functions:\n"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
-    "{%- for call in message.tool_calls or [] %}"
-    "<tool_call>{{ {'id': call.id, 'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
-    "</tool_call>{%- endfor %}"
-    "{%- if message.tool_call_id %} [result of {{ message.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -42,24 +31,13 @@ TEMPLATE_CONVERSATION = [*MESSAGES, {"role": "assistant", "content": "", "tool_c
 
 
 @pytest.fixture(scope="module")
-def tool_artifact(tiny_llama_variant):
-    def with_tool_template(source):
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        tokenizer.chat_template = TOOL_TEMPLATE
-        tokenizer.save_pretrained(source)
-
-    return tiny_llama_variant("tools", with_tool_template)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tool_artifact):
     return artifact_tokenizer(tool_artifact)
 
 
 @pytest.fixture(scope="module")
-def server(tool_artifact, tmp_path_factory):
-    with running_small_server(tool_artifact, tmp_path_factory.mktemp("serve-tools")) as server:
-        yield server
+def server(tool_server):
+    return tool_server
 
 
 def reference_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -108,16 +86,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"tools": [WEATHER]}, "does not parse tool calls"),  # OpenAI's default with tools is "auto"
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "--enable-auto-tool-choice and --tool-call-parser"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "does not parse tool calls"),
-    ({"tools": [WEATHER], "tool_choice": NAMED}, 'tool_choice "none"'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
      "does not match any of the specified `tools`"),
     ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
     ({"tool_choice": NAMED}, "When using `tool_choice`, `tools` must be set."),
 ])
-def test_tool_choices_that_need_tool_call_parsing_are_400(server, fields, message):
+def test_tool_choices_without_their_tool_are_400(server, fields, message):
     response = chat(server, messages=MESSAGES, **fields)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -15,7 +15,7 @@ def register_fake_kernels() -> None:
 
     @torch.library.register_fake("octavo_cpu::paged_attention")
     def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-          sliding_window=-1, key_scale_cache=None, value_scale_cache=None):
+          sliding_window=-1, key_scale_cache=None, value_scale_cache=None, soft_cap=0.0):
         return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
     @torch.library.register_fake("octavo_cpu::linear_w16")
@@ -29,6 +29,15 @@ def register_fake_kernels() -> None:
     @torch.library.register_fake("octavo_cpu::linear_w4")
     def _(x, qweight, scales, offsets, bias, group_size, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("octavo_cpu::linear_fp8")
+    def _(x, qweight, scales, bias, bf16_gemm=False):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("octavo_cpu::moe")
+    def _(x, router_weight, gate_up, down, top_k, normalize, activation="silu", round_weights=True,
+          gate_up_scales=None, gate_up_offsets=None, down_scales=None, down_offsets=None, group_size=0):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("octavo_cpu::linear_bf16")
     def _(input, weight, bias=None):

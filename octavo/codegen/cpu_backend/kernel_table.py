@@ -11,7 +11,7 @@ def native_quantized_kernels() -> dict:
     """Quantized layout -> the C++ linear over it (the octavo op's arguments, plus bf16_gemm)."""
     load_cpu_kernels()
     native = torch.ops.octavo_cpu
-    return {"w8": native.linear_w8.default, "w4": native.linear_w4.default}
+    return {"w8": native.linear_w8.default, "w4": native.linear_w4.default, "fp8": native.linear_fp8.default}
 
 
 def native_bf16_linear():
@@ -32,6 +32,8 @@ def build_kernel_table() -> dict:
         octavo.linear_w16.default: native.linear_w16.default,
         octavo.linear_w8.default: native.linear_w8.default,
         octavo.linear_w4.default: native.linear_w4.default,
+        octavo.linear_fp8.default: native.linear_fp8.default,
+        octavo.moe.default: native.moe.default,
     }
 
 

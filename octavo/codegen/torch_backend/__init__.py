@@ -11,12 +11,14 @@ import torch
 
 from octavo.codegen.kernel_ops import kernel_op_table
 from octavo.codegen.torch_backend import quantized_linear  # noqa: F401  (registers the octavo_torch ops)
-from octavo.codegen.torch_backend.activation import silu_and_mul
+from octavo.codegen.torch_backend.activation import gelu_and_mul, silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
 from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
 from octavo.codegen.torch_backend.linear import linear_w16
+from octavo.codegen.torch_backend.moe import moe
 from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
 from octavo.codegen.torch_backend.rotary import rotary_embedding
+from octavo.ir.ops.lora import lora_reference
 from octavo.ir.quantized_layout import gather_rows_w4, gather_rows_w8
 
 octavo = torch.ops.octavo
@@ -27,7 +29,9 @@ PYTHON_KERNELS = {
     octavo.fused_add_rms_norm.default: fused_add_rms_norm,
     octavo.rotary_embedding.default: rotary_embedding,
     octavo.silu_and_mul.default: silu_and_mul,
+    octavo.gelu_and_mul.default: gelu_and_mul,
     octavo.fused_pointwise.default: fused_pointwise,
+    octavo.moe.default: moe,
     # The reference ops' own code is the kernel: a gather and a dequantization of the gathered rows (ATen
     # code, which the compiled executor inlines: a Python op called back from compiled code costs a host hop).
     octavo.embedding_w8.default: gather_rows_w8,
@@ -38,6 +42,8 @@ PYTHON_KERNELS = {
     octavo.linear_w4.default: octavo.linear_w4.default,
     octavo.linear_fp8.default: octavo.linear_fp8.default,
     octavo.linear_w16.default: linear_w16,
+    # Segmented LoRA: one pair of GEMMs per adapter present in the batch (the definition is the kernel).
+    octavo.lora.default: lora_reference,
 }
 
 KERNELS = kernel_op_table("octavo_torch", PYTHON_KERNELS)

@@ -1,4 +1,4 @@
-"""Torch (CPU) kernel for octavo.silu_and_mul."""
+"""Torch (CPU) kernels for octavo.silu_and_mul and octavo.gelu_and_mul."""
 
 from __future__ import annotations
 
@@ -15,4 +15,11 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """
     half = x.shape[-1] // 2
     activated = F.silu(x[..., :half].contiguous())
+    return activated.mul_(x[..., half:])
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """Same semantics as octavo.ir.ops.activation.gelu_and_mul (see its docstring), as silu_and_mul is computed."""
+    half = x.shape[-1] // 2
+    activated = F.gelu(x[..., :half].contiguous(), approximate=approximate)
     return activated.mul_(x[..., half:])

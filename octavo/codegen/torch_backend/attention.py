@@ -12,7 +12,7 @@ from octavo.ir.ops.attention import quantize_cache_vectors
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                     scale: float, sliding_window: int = -1, key_scale_cache: Tensor | None = None,
-                    value_scale_cache: Tensor | None = None) -> Tensor:
+                    value_scale_cache: Tensor | None = None, soft_cap: float = 0.0) -> Tensor:
     """Same semantics as octavo.ir.ops.attention.paged_attention (see its docstring).
 
     Sequences with one query token (decodes) are computed together: their
@@ -23,6 +23,7 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
     (prefill chunks, speculative verification) each run one SDPA call
     over their gathered context. With scale caches (int8/fp8 caches) every
     read dequantizes the gathered vectors; cascade attention is not used then.
+    With a soft-cap the scores are computed by matmuls in float32 (SDPA has no cap).
     """
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scale_cache, value_scale_cache)
     scales = (key_scale_cache, value_scale_cache)
@@ -32,7 +33,7 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
     if single.numel():
         rows = query_start_loc[single].long()
         output[rows] = _decode_attention(query[rows], key_cache, value_cache, block_tables[single],
-                                         seq_lens[single], scale, sliding_window, scales)
+                                         seq_lens[single], scale, sliding_window, scales, soft_cap)
     multi = (query_lens > 1).nonzero().flatten().tolist()
     if multi:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -40,7 +41,7 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
             start, end = starts[b], starts[b + 1]
             output[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end], key_cache,
                                                    value_cache, block_tables[b], lens[b], scale, sliding_window,
-                                                   scales)
+                                                   scales, soft_cap)
     return output
 
 
@@ -81,7 +82,7 @@ def _gather_slots(cache: Tensor, scale_cache: Tensor | None, slots: Tensor) -> T
 
 def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                        block_table: Tensor, seq_len: int, scale: float, sliding_window: int,
-                       scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+                       scales: tuple[Tensor | None, Tensor | None] = (None, None), soft_cap: float = 0.0) -> Tensor:
     q_len = query.shape[0]
     if q_len == seq_len and key.dtype == key_cache.dtype and scales[0] is None:
         # The chunk is the whole context, just written to the cache unchanged: read it from the inputs.
@@ -93,7 +94,7 @@ def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Ten
     q = query.transpose(0, 1).unsqueeze(0)
     k = keys.transpose(0, 1).unsqueeze(0).to(query.dtype)
     v = values.transpose(0, 1).unsqueeze(0).to(query.dtype)
-    if q_len == seq_len and sliding_window <= 0:
+    if q_len == seq_len and sliding_window <= 0 and soft_cap <= 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
@@ -101,13 +102,27 @@ def _prefill_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Ten
         mask = key_pos <= query_pos
         if sliding_window > 0:
             mask &= key_pos > query_pos - sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _masked_attention(q, k, v, mask, scale, soft_cap, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _masked_attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                      soft_cap: float, enable_gqa: bool = False) -> Tensor:
+    """SDPA with a boolean mask, query heads grouped over fewer kv heads ([..., H, L, D] layouts); with a
+    soft-cap, the same attention computed by matmuls in float32 with the scores capped (the op's definition)."""
+    if soft_cap <= 0:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    group = query.shape[-3] // keys.shape[-3]
+    keys = keys.float().repeat_interleave(group, dim=-3)
+    values = values.float().repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / soft_cap) * soft_cap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values).to(query.dtype)
 
 
 def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                       seq_lens: Tensor, scale: float, sliding_window: int,
-                      scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+                      scales: tuple[Tensor | None, Tensor | None] = (None, None), soft_cap: float = 0.0) -> Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its whole context: [B, Hq, D].
 
     When at least two float32 sequences share leading full blocks (prefix caching) and there is no
@@ -123,7 +138,7 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
         shared_blocks = shared_prefix_blocks(block_tables, seq_lens, block_size)
         if shared_blocks:
             return _cascade_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                             shared_blocks)
+                                             shared_blocks, soft_cap)
     lengths = seq_lens.long().view(batch, 1)
     # Padded to whole blocks: the reduction over keys then has the same blocking whatever the
     # exact longest length, which keeps bf16 results closest to an unpadded single-sequence SDPA.
@@ -144,8 +159,7 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
         allowed = allowed & (positions > lengths - 1 - sliding_window)
     # The query heads of one kv head attend as a group of "query positions" (no repeat of K/V).
     grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed.view(batch, 1, 1, -1),
-                                         scale=scale)
+    out = _masked_attention(grouped, keys, values, allowed.view(batch, 1, 1, -1), scale, soft_cap)
     return out.reshape(batch, num_heads, -1)
 
 
@@ -167,7 +181,7 @@ def shared_prefix_blocks(block_tables: Tensor, seq_lens: Tensor, block_size: int
 
 
 def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                              seq_lens: Tensor, scale: float, shared_blocks: int) -> Tensor:
+                              seq_lens: Tensor, scale: float, shared_blocks: int, soft_cap: float = 0.0) -> Tensor:
     """Decode attention that reads the blocks all sequences share only once (cascade attention).
 
     Requires ``block_tables[:, :shared_blocks]`` equal in every row and ``shared_blocks * block_size``
@@ -176,6 +190,7 @@ def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
     matmul per kv head) and each sequence's own suffix are attended separately in float32 and merged
     by their maxima and exp-sums, which is exact since a softmax over the union of two key sets is the
     two partial softmaxes reweighted by their shares of the total mass. Returns [B, Hq, D].
+    A soft-cap applies to each part's scores (it is a function of each score alone).
     """
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -187,7 +202,8 @@ def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
     prefix_keys = key_cache[prefix_blocks].flatten(0, 1).permute(1, 2, 0).float()  # [Hkv, D, P]
     prefix_values = value_cache[prefix_blocks].flatten(0, 1).transpose(0, 1).float()  # [Hkv, P, Dv]
     prefix_queries = grouped.transpose(0, 1).reshape(num_kv_heads, batch * group, head_dim)
-    prefix_parts = _partial_attention(torch.matmul(prefix_queries, prefix_keys) * scale, prefix_values)
+    prefix_scores = _capped(torch.matmul(prefix_queries, prefix_keys) * scale, soft_cap)
+    prefix_parts = _partial_attention(prefix_scores, prefix_values)
     # Back from [Hkv, B*G, n] to the suffix's [B, Hkv, G, n].
     prefix_max, prefix_sum, prefix_out = (part.view(num_kv_heads, batch, group, -1).transpose(0, 1)
                                           for part in prefix_parts)
@@ -203,8 +219,8 @@ def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
     slots = blocks * block_size + read_positions % block_size
     suffix_keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].permute(0, 2, 3, 1).float()  # [B, Hkv, D, S]
     suffix_values = value_cache.view(-1, *value_cache.shape[2:])[slots].transpose(1, 2).float()  # [B, Hkv, S, Dv]
-    suffix_scores = (torch.matmul(grouped, suffix_keys) * scale).masked_fill(~written.view(batch, 1, 1, -1),
-                                                                            float("-inf"))
+    suffix_scores = _capped(torch.matmul(grouped, suffix_keys) * scale, soft_cap).masked_fill(
+        ~written.view(batch, 1, 1, -1), float("-inf"))
     suffix_max, suffix_sum, suffix_out = _partial_attention(suffix_scores, suffix_values)
 
     # Both sides have a finite maximum (each has at least one key), so the weights are well defined.
@@ -213,6 +229,10 @@ def _cascade_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
     out = ((prefix_out * prefix_weight + suffix_out * suffix_weight)
            / (prefix_sum * prefix_weight + suffix_sum * suffix_weight))
     return out.reshape(batch, num_heads, -1).to(query.dtype)
+
+
+def _capped(scores: Tensor, soft_cap: float) -> Tensor:
+    return torch.tanh(scores / soft_cap) * soft_cap if soft_cap > 0 else scores
 
 
 def _partial_attention(scores: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:

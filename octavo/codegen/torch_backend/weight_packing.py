@@ -13,7 +13,8 @@ ATEN_CPU_CAPABILITY=avx2 (decode shapes of SmolLM2, M = 1; scripts/measure_quant
   runs ``linear_dequantized``: the weight is dequantized once here, into bfloat16 where the
   other kernels would compute in bfloat16 (half the bytes to read, the native dot products)
   and into the activation dtype otherwise; fp8 keeps its exact values (exact in either) and
-  applies the per-channel scales to the result.
+  applies the per-channel scales to the result. Such a weight takes 2 or 4 bytes a value in
+  memory, not the artifact's 1 (or half): the cpu backend's own kernels do not widen them.
 
 The vocabulary projection (the graph's last linear, which produces the logits) is the
 exception: with float32 activations it computes in float32 on its dequantized weight,
@@ -23,8 +24,8 @@ of 1/16 near a logit of 16), enough to tie and flip greedy choices (measured on 
 residual stream through a norm, where a bfloat16 rounding is as harmless as in a bf16 model.
 
 A backend with kernels of its own for some layouts (the cpu backend's octavo_cpu::linear_w8 /
-w4, which read the int8 / int4 weights in place and accumulate in float32, the vocabulary
-projection included) passes them as ``native_kernels``: those linears keep their layout and
+w4 / fp8, which read the int8 / int4 / float8 weights in place and accumulate in float32, the
+vocabulary projection included) passes them as ``native_kernels``: those linears keep their layout and
 call that kernel, with the scales and offsets widened to float32 once here (exact). Its
 decode-sized calls (up to 8 rows) compute in float32; above that it dequantizes tiles for a
 GEMM, which runs in bfloat16 (``bf16_gemm``) where the CPU has native bfloat16, except for

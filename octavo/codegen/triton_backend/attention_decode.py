@@ -4,7 +4,8 @@ Semantics: octavo.ir.ops.attention.paged_attention, step 2-3, for the
 sequences whose query length is exactly 1 (other sequences are left to
 attention_prefill). The query at position ``p = seq_len - 1`` attends to
 the cached positions ``j <= p`` (and ``j > p - sliding_window`` when the
-window is positive): ``softmax(scale * q . k_j) @ v_j`` in float32.
+window is positive): ``softmax(s_j) @ v_j`` in float32, ``s_j = scale * q . k_j``
+(soft-capped, ``soft_cap * tanh(s_j / soft_cap)``, when ``soft_cap > 0``).
 
 One program serves one (sequence, kv head) pair: it loads the query rows of
 every query head in that kv head's group at once, so each key/value tile is
@@ -30,9 +31,9 @@ def _decode_attention_kernel(
     output_stride_t, output_stride_h, output_stride_d,
     cache_stride_block, cache_stride_offset, cache_stride_h, cache_stride_d,
     block_tables_stride,
-    qk_scale, sliding_window, head_dim, group_size, block_size,
+    qk_scale, soft_cap, sliding_window, head_dim, group_size, block_size,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
-    DOT_PRECISION: tl.constexpr,  # noqa: N803
+    DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,  # noqa: N803
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,6 +77,10 @@ def _decode_attention_kernel(
 
         # Scores in the log2 domain, -inf where the key is not visible.
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            # soft_cap * tanh(s / soft_cap) on the natural scores s = scores / log2(e), back to the log2 domain;
+            # tanh(x) = 2 sigmoid(2x) - 1. soft_cap arrives multiplied by log2(e), so the scale cancels.
+            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
         scores = tl.where(visible[None, :], scores, float("-inf"))
 
         # Rescale the running state to the new max; a row with no visible key yet shifts by 0, not -inf.
@@ -96,7 +101,7 @@ def _decode_attention_kernel(
 
 def decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                      seq_lens: Tensor, query_start_loc: Tensor, scale: float, sliding_window: int,
-                     output: Tensor) -> None:
+                     output: Tensor, soft_cap: float = 0.0) -> None:
     """Write into `output` [T, Hq, D] the attention of every one-token sequence (see module docstring).
 
     Reads no tensor value on the host, so the launch is the same for any
@@ -113,9 +118,9 @@ def decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, bloc
         query, key_cache, value_cache, output,
         block_tables, seq_lens, query_start_loc,
         *query.stride(), *output.stride(), *key_cache.stride(), block_tables.stride(0),
-        scale * LOG2_E, sliding_window, head_dim, group_size, key_cache.shape[1],
+        scale * LOG2_E, soft_cap * LOG2_E, sliding_window, head_dim, group_size, key_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(query),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(query), SOFT_CAP=soft_cap > 0,
     )
 
 

@@ -7,7 +7,8 @@ query_start_loc[b + 1]`` (q_len of them), the last q_len of its
 ``seq_lens[b]`` context positions; query row i sits at position
 ``p = seq_len - q_len + i`` and attends to the cached positions ``j <= p``
 (and ``j > p - sliding_window`` when the window is positive), read through
-the block table: ``softmax(scale * q . k_j) @ v_j`` in float32.
+the block table: ``softmax(s_j) @ v_j`` in float32, ``s_j = scale * q . k_j``
+(soft-capped, ``soft_cap * tanh(s_j / soft_cap)``, when ``soft_cap > 0``).
 
 Grid: (query tiles, query heads). The tiles of all sequences are numbered
 one after the other, sequence b's first tile being
@@ -34,9 +35,9 @@ def _prefill_attention_kernel(
     output_stride_t, output_stride_h, output_stride_d,
     cache_stride_block, cache_stride_offset, cache_stride_h, cache_stride_d,
     block_tables_stride,
-    qk_scale, sliding_window, head_dim, group_size, block_size, num_seqs,
+    qk_scale, soft_cap, sliding_window, head_dim, group_size, block_size, num_seqs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
-    DOT_PRECISION: tl.constexpr,  # noqa: N803
+    DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,  # noqa: N803
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -95,6 +96,10 @@ def _prefill_attention_kernel(
         visible = in_context[None, :] & (key_positions[None, :] <= positions[:, None])
         visible = visible & ((sliding_window <= 0) | (key_positions[None, :] > positions[:, None] - sliding_window))
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            # soft_cap * tanh(s / soft_cap) on the natural scores s = scores / log2(e), back to the log2 domain;
+            # tanh(x) = 2 sigmoid(2x) - 1. soft_cap arrives multiplied by log2(e), so the scale cancels.
+            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
         scores = tl.where(visible, scores, float("-inf"))
 
         # Rescale the running state to the new max; a row with no visible key yet shifts by 0, not -inf.
@@ -115,7 +120,7 @@ def _prefill_attention_kernel(
 
 def prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                       seq_lens: Tensor, query_start_loc: Tensor, scale: float, sliding_window: int,
-                      output: Tensor) -> None:
+                      output: Tensor, soft_cap: float = 0.0) -> None:
     """Write into `output` [T, Hq, D] the attention of every sequence with several query tokens."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -128,7 +133,8 @@ def prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
         query, key_cache, value_cache, output,
         block_tables, seq_lens, query_start_loc,
         *query.stride(), *output.stride(), *key_cache.stride(), block_tables.stride(0),
-        scale * LOG2_E, sliding_window, head_dim, num_heads // key_cache.shape[2], key_cache.shape[1], num_seqs,
+        scale * LOG2_E, soft_cap * LOG2_E, sliding_window, head_dim, num_heads // key_cache.shape[2],
+        key_cache.shape[1], num_seqs,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=dot_precision(query),
+        DOT_PRECISION=dot_precision(query), SOFT_CAP=soft_cap > 0,
     )

@@ -13,6 +13,8 @@ from octavo.errors import OctavoError
 INTERPRET_ENV = "TRITON_INTERPRET"
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 _TRUE_VALUES = ("1", "true", "on", "yes")
+QUANTIZED_CACHE_ERROR = ("the Triton backend has no int8/fp8 KV cache kernels yet: run this artifact with --backend "
+                         "torch, or compile it without --kv-cache-dtype")
 
 
 def interpreting() -> bool:
@@ -65,6 +67,4 @@ def _next_power_of_2(value: int) -> int:
 def check_triton_kv_layout(kv_layout: dict) -> None:
     """Raise OctavoError when the artifact's KV cache needs kernels the Triton backend lacks (int8 / fp8 caches)."""
     if kv_layout.get("scale_inputs"):
-        from octavo.codegen.triton_backend.paged_attention import QUANTIZED_CACHE_ERROR
-
         raise OctavoError(f"{QUANTIZED_CACHE_ERROR} (this artifact's cache is {kv_layout['cache_dtype']})")

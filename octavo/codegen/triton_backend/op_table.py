@@ -31,5 +31,7 @@ TRITON_OPS: dict[str, TritonOp] = {
     "linear_fp8": TritonOp("quantized_linear", "linear_fp8", ("quantized_linear.py",)),
     "embedding_w8": TritonOp("quantized_linear", "embedding_w8", ()),
     "embedding_w4": TritonOp("quantized_linear", "embedding_w4", ()),
-    "linear_w16": TritonOp("linear_w16", "linear_w16", ()),
+    "linear_w16": TritonOp("quantized_linear", "linear_w16", ("quantized_linear.py",)),
+    "lora": TritonOp("lora", "lora", ("lora.py",)),
+    "moe": TritonOp("moe", "moe", ("moe.py", "activation.py")),
 }

@@ -15,17 +15,15 @@ from torch import Tensor
 
 from octavo.codegen.triton_backend.attention_decode import decode_attention
 from octavo.codegen.triton_backend.attention_prefill import prefill_attention
+from octavo.codegen.triton_backend.availability import QUANTIZED_CACHE_ERROR
 from octavo.codegen.triton_backend.kv_cache_write import write_kv_cache
 from octavo.errors import OctavoError
-
-QUANTIZED_CACHE_ERROR = ("the Triton backend has no int8/fp8 KV cache kernels yet: run this artifact with --backend "
-                         "torch, or compile it without --kv-cache-dtype")
 
 
 def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                     slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                     scale: float, sliding_window: int = -1, key_scale_cache: Tensor | None = None,
-                    value_scale_cache: Tensor | None = None) -> Tensor:
+                    value_scale_cache: Tensor | None = None, soft_cap: float = 0.0) -> Tensor:
     """Same semantics as octavo.ir.ops.attention.paged_attention; returns [T, Hq, D] in query's dtype.
 
     Quantized (int8 / fp8) caches are not supported (the engine refuses such an artifact on this backend at load,
@@ -45,9 +43,9 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor
         has_decodes, has_prefills = bool((query_lens == 1).any()), bool((query_lens > 1).any())
     if has_decodes:
         decode_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                         sliding_window, output)
+                         sliding_window, output, soft_cap)
     if has_prefills:
         prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, output)
+                          sliding_window, output, soft_cap)
     return output
 

@@ -1,9 +1,12 @@
-"""Triton kernels: octavo.linear_w8 / linear_w4 / linear_fp8, a matmul that dequantizes weight tiles as it loads them.
+"""Triton kernels: octavo.linear_w8 / linear_w4 / linear_fp8 / linear_w16, a matmul that widens weight tiles as it
+loads them.
 
-Semantics (octavo.ir.ops.quantized_linear), x [..., K], weights in the portable layouts of
-octavo.ir.quantized_layout: ``out = (x @ W.T + bias).to(x.dtype)`` where W is the weight
+Semantics (octavo.ir.ops.quantized_linear, octavo.ir.ops.linear), x [..., K], weights in the portable
+layouts of octavo.ir.quantized_layout: ``out = (x @ W.T + bias).to(x.dtype)`` where W is the weight
 dequantized in float32 (w8: ``q * scale[n, k // G]``; w4: ``q * scale[n, g] + offset[n, g]``
-with the nibble of byte ``k // 2`` selected by ``k % 2``; fp8: ``q * scale[n]``).
+with the nibble of byte ``k // 2`` selected by ``k % 2``; fp8: ``q * scale[n]``; w16: the bfloat16 or
+float16 weight widened, exactly, to float32, with float32 x). No layout widens the whole weight: each
+program widens only the [BLOCK_K, BLOCK_N] slices it multiplies, in registers.
 One program computes a [BLOCK_M, BLOCK_N] tile of the output: for each BLOCK_K slice of
 K it loads the activations and the quantized weight slice, dequantizes the slice in
 float32 and accumulates ``tl.dot`` in float32. Float32 activations keep IEEE float32
@@ -24,7 +27,7 @@ from torch import Tensor
 
 from octavo.codegen.triton_backend.attention_decode import dot_precision
 
-W8, W4, FP8 = 0, 1, 2
+W8, W4, FP8, W16 = 0, 1, 2, 3
 
 
 @triton.jit
@@ -48,7 +51,10 @@ def _quantized_linear_kernel(
                     other=0.0)
         # The weight slice [BLOCK_K, BLOCK_N] (W transposed): element (k, n) of W[n, k].
         tile_mask = k_mask[:, None] & column_mask[None, :]
-        if LAYOUT == 2:
+        if LAYOUT == 3:
+            weight = tl.load(qweight_ptr + columns[None, :] * qweight_row_stride + ks[:, None], mask=tile_mask,
+                             other=0.0).to(tl.float32)
+        elif LAYOUT == 2:
             q = tl.load(qweight_ptr + columns[None, :] * qweight_row_stride + ks[:, None], mask=tile_mask, other=0.0)
             weight = q.to(tl.float32) * tl.load(scales_ptr + columns, mask=column_mask, other=0.0)[None, :]
         else:
@@ -85,6 +91,11 @@ def linear_w4(x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor, bias:
 def linear_fp8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """octavo.linear_fp8 (see the module docstring)."""
     return _launch(FP8, x, qweight, scales, None, bias, qweight.shape[1])
+
+
+def linear_w16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """octavo.linear_w16 (see the module docstring): float32 x against a 16-bit weight."""
+    return _launch(W16, x, weight, weight, None, bias, weight.shape[1])
 
 
 def embedding_w8(qweight: Tensor, scales: Tensor, indices: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:

@@ -6,6 +6,8 @@ from octavo.ir.ops import (  # noqa: F401
     collectives,
     fused_pointwise,
     linear,
+    lora,
+    moe,
     norm,
     quantized_linear,
     rotary,

@@ -30,3 +30,26 @@ def silu_and_mul_reference(x: Tensor) -> Tensor:
     scalar formula that can differ from the vectorized one in the last bit."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half].contiguous()) * x[..., half:]
+
+
+@torch.library.custom_op("octavo::gelu_and_mul", mutates_args=())
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """``gelu(gate, approximate) * up`` where ``x = cat(gate, up, dim=-1)`` (Gemma's gated GELU MLP).
+
+    Shapes: ``x`` [..., 2 * I]; returns [..., I] in ``x.dtype``:
+    ``gelu(x[..., :I], approximate=approximate) * x[..., I:]``, each op in
+    ``x.dtype`` as torch computes them (``approximate`` is "none", the erf
+    form, or "tanh", transformers' gelu_pytorch_tanh). The last dim must be even.
+    """
+    return gelu_and_mul_reference(x, approximate)
+
+
+@gelu_and_mul.register_fake
+def _(x, approximate="none"):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def gelu_and_mul_reference(x: Tensor, approximate: str = "none") -> Tensor:
+    """The definition, the gate half made contiguous first as in silu_and_mul_reference."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half].contiguous(), approximate=approximate) * x[..., half:]

@@ -24,6 +24,7 @@ def paged_attention(
     sliding_window: int = -1,
     key_scale_cache: Tensor | None = None,
     value_scale_cache: Tensor | None = None,
+    soft_cap: float = 0.0,
 ) -> Tensor:
     """Causal attention of a flattened batch of query tokens over a paged KV cache.
 
@@ -44,7 +45,9 @@ def paged_attention(
        sequence sits at position ``p = seq_lens[b] - q_len_b + i``.
     3. The query at position p attends to context positions j with ``j <= p``
        and, when ``sliding_window > 0``, ``j > p - sliding_window``:
-       ``softmax(scale * q . k_j) @ v_j``, computed in float32.
+       ``softmax(s_j) @ v_j`` with ``s_j = scale * q . k_j``, computed in float32.
+       With ``soft_cap > 0`` the scores are capped first (Gemma 2's logit
+       soft-capping): ``s_j = soft_cap * tanh(scale * q . k_j / soft_cap)``.
 
     Quantized caches: with int8 or float8_e4m3fn ``key_cache``/``value_cache``,
     ``key_scale_cache`` and ``value_scale_cache`` are float32 [num_blocks,
@@ -66,13 +69,13 @@ def paged_attention(
         blocks = block_tables[b, :num_blocks].long()
         keys = _read_blocks(key_cache, key_scale_cache, blocks)[:seq_len]
         values = _read_blocks(value_cache, value_scale_cache, blocks)[:seq_len]
-        output[start:end] = _attend(query[start:end], keys, values, seq_len, scale, sliding_window)
+        output[start:end] = _attend(query[start:end], keys, values, seq_len, scale, sliding_window, soft_cap)
     return output
 
 
 @paged_attention.register_fake
 def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-      scale, sliding_window=-1, key_scale_cache=None, value_scale_cache=None):
+      scale, sliding_window=-1, key_scale_cache=None, value_scale_cache=None, soft_cap=0.0):
     return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
 
@@ -113,13 +116,15 @@ def _read_blocks(cache: Tensor, scale_cache: Tensor | None, blocks: Tensor) -> T
 
 
 def _attend(query: Tensor, keys: Tensor, values: Tensor, seq_len: int, scale: float,
-            sliding_window: int) -> Tensor:
+            sliding_window: int, soft_cap: float = 0.0) -> Tensor:
     """Dense causal attention of the last len(query) positions of one sequence (the definition)."""
     q_len, num_heads, _ = query.shape
     group = num_heads // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if soft_cap > 0:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     query_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
     key_pos = torch.arange(seq_len).unsqueeze(0)
     allowed = key_pos <= query_pos

@@ -1,7 +1,9 @@
-"""Tensor and pipeline parallel execution on torch.distributed: rank 0's runtime and the worker ranks.
+"""Tensor and pipeline parallel execution on torch.distributed: rank 0's runtime and the worker ranks' step loop.
 
-The parallel passes (octavo.passes.shard_tensor_parallel, split_pipeline_stages) run at load time,
-so one artifact serves every parallel size; see docs/distributed.md.
+The runtime runs rank programs but does not make them: sharding an artifact
+for a rank runs the parallel passes, in octavo.parallel (the layer above the
+runtime and the passes), which hands the engine a RankLaunch. See
+docs/distributed.md.
 """
 
 from octavo.runtime.distributed.runtime import DistributedExecutor, ParallelRuntime

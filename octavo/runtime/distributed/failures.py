@@ -1,11 +1,13 @@
 """Finding out which rank failed: exit records, error records and heartbeats in the rendezvous store.
 
 A communication error on rank 0 says only that some connection closed or
-some wait timed out. The cause is found here: every process that starts
-ranks records their exits (`exit/<rank>`), a rank that raises records its
-error (`error/<rank>`), and every rank bumps a heartbeat counter
-(`heartbeat/<rank>`) several times a second, so a rank that was killed or
-stopped without a record is the one whose counter stands still.
+some wait timed out. The cause is found here: Octavo's own launcher records
+the exits of the ranks it started (`exit/<rank>`; under torchrun and srun
+the launcher itself reports exits, and under Ray the actor's death), a rank
+that raises records its error (`error/<rank>`), and every rank bumps a
+heartbeat counter (`heartbeat/<rank>`) several times a second, so a rank
+that froze, which no launcher notices, is the one whose counter stands
+still.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.2
-_EXIT, _ERROR, _HEARTBEAT, _READY = "octavo/exit/", "octavo/error/", "octavo/heartbeat/", "octavo/ready/"
+_EXIT, _ERROR, _HEARTBEAT, _READY = "exit/", "error/", "heartbeat/", "ready/"
 # Error texts of a rank that merely lost a peer (its own failure is a consequence, not the cause).
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "Socket closed", "Connection refused")
 
 
-def record_exit(store: dist.Store, rank: int, exitcode: int) -> None:
-    _quietly(lambda: store.set(f"{_EXIT}{rank}", str(exitcode)))
+def record_exit(store: dist.Store, rank: int, failure: str | None) -> None:
+    """Record how a rank this process started ended (None: cleanly), for rank 0 to read."""
+    _quietly(lambda: store.set(f"{_EXIT}{rank}", failure or ""))
 
 
 def record_error(store: dist.Store, rank: int, error: BaseException) -> None:
@@ -39,7 +42,8 @@ def mark_ready(store: dist.Store, rank: int) -> None:
     store.set(f"{_READY}{rank}", "1")
 
 
-def wait_until_ready(store: dist.Store, world_size: int, local_exits: dict[int, int], timeout_s: float) -> list[str]:
+def wait_until_ready(store: dist.Store, world_size: int, local_failures: dict[int, str], timeout_s: float
+                     ) -> list[str]:
     """Wait until ranks 1..world_size-1 are ready; the causes (as `diagnose` words them) if any failed first.
 
     Joining the process group blocks until every rank joins, so a rank that
@@ -49,11 +53,11 @@ def wait_until_ready(store: dist.Store, world_size: int, local_exits: dict[int, 
     waiting = set(range(1, world_size))
     while waiting and time.monotonic() < deadline:
         waiting = {rank for rank in waiting if _read(store, f"{_READY}{rank}") is None}
-        failed = [rank for rank in waiting if rank in local_exits or _read(store, f"{_EXIT}{rank}") is not None
+        failed = [rank for rank in waiting if rank in local_failures or _read(store, f"{_EXIT}{rank}") is not None
                   or _read(store, f"{_ERROR}{rank}") is not None]
         if failed:
             time.sleep(0.2)  # let the error record of a rank whose exit was seen first arrive
-            return diagnose(store, world_size, dict(local_exits), wait_s=0.0)
+            return diagnose(store, world_size, dict(local_failures), wait_s=0.0)
         time.sleep(0.05)
     if waiting:
         return [f"rank {rank} did not start within {timeout_s:.0f}s" for rank in sorted(waiting)]
@@ -86,23 +90,23 @@ def describe_exit(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def diagnose(store: dist.Store, world_size: int, local_exits: dict[int, int], wait_s: float = 1.0) -> list[str]:
+def diagnose(store: dist.Store, world_size: int, local_failures: dict[int, str], wait_s: float = 1.0) -> list[str]:
     """Why ranks 1..world_size-1 are gone: the causes first; ranks that only lost a peer are left out
-    when a cause is known. Takes about `wait_s` (to see which heartbeats still move; 0: exit and error
-    records only)."""
+    when a cause is known. `local_failures` are the ones this process saw itself (rank -> how it ended).
+    Takes about `wait_s` (to see which heartbeats still move; 0: exit and error records only)."""
     before = _heartbeats(store, world_size)
     time.sleep(wait_s)
     after = _heartbeats(store, world_size)
     causes, consequences = [], []
     for rank in range(1, world_size):
-        exitcode = local_exits.get(rank, _read_int(store, f"{_EXIT}{rank}"))
+        ended = local_failures.get(rank) or _read(store, f"{_EXIT}{rank}")
         error = _read(store, f"{_ERROR}{rank}")
         if error is not None and any(marker in error for marker in _PEER_LOSS):
             consequences.append(f"rank {rank} lost a peer ({error})")
         elif error is not None:
             causes.append(f"rank {rank} failed: {error}")
-        elif exitcode is not None and exitcode != 0:
-            causes.append(f"rank {rank} {describe_exit(exitcode)}")
+        elif ended:
+            causes.append(f"rank {rank} {ended}")
         elif wait_s > 0 and before.get(rank) is not None and before.get(rank) == after.get(rank):
             causes.append(f"rank {rank} stopped responding (no heartbeat for {wait_s:.1f}s)")
     return causes or consequences

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from octavo.runtime.input_batch import StepInputs, build_step_inputs
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.scheduler import SchedulerOutput
+from octavo.runtime.step_record import StepRecord
 
 
 @dataclass
@@ -85,8 +86,6 @@ class PipelinedSteps:
             scheduler.running += hidden
 
     def _collect(self) -> list[RequestOutput]:
-        from octavo.runtime.engine import StepRecord
-
         engine = self.engine
         batch = self.in_flight.popleft()
         logits = engine.parallel.collect(batch.handle)

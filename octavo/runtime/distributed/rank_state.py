@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from octavo.config import EngineConfig
-from octavo.passes.rank_program import RankProgram
+from octavo.config import EngineConfig, RankPosition
 from octavo.runtime.distributed.collectives import RankGroups, lower_collectives
 from octavo.runtime.distributed.transport import step_sizes
-from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.executor_choice import create_executor
 from octavo.runtime.kv_cache import KVCache, bytes_per_block, choose_num_blocks
 
 logger = logging.getLogger(__name__)
 
-_CACHE_ROLES = ("key_cache", "value_cache")
+_CACHE_ROLES = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
 
 
 def step_input_names(manifest: dict) -> list[str]:
@@ -29,12 +29,22 @@ def step_input_dtypes(manifest: dict) -> dict[str, torch.dtype]:
     return {name: getattr(torch, spec["dtype"]) for name, spec in manifest["signature"]["inputs"].items()}
 
 
+class RankProgram(Protocol):
+    """What one rank runs, as the parallel passes make it (octavo.passes.rank_program.RankProgram)."""
+
+    position: RankPosition
+    graph_module: torch.fx.GraphModule
+    weights: dict[str, torch.Tensor]
+    kv_layout: dict
+    pipeline_stage: dict | None
+
+
 @dataclass
 class RankState:
     """A rank's executor over its program and its share of the KV cache."""
 
     program: RankProgram
-    executor: GraphExecutor
+    executor: object  # GraphExecutor or CompiledExecutor
     kv_cache: KVCache
     num_host_blocks: int
 
@@ -54,22 +64,27 @@ def agree_on_minimum(values: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(value) for value in tensor.tolist())
 
 
-def build_rank_state(program: RankProgram, groups: RankGroups, config: EngineConfig, backend: str,
-                     device: torch.device, activation_dtype: torch.dtype | None = None,
-                     cache_class: type[KVCache] = KVCache) -> RankState:
+def build_rank_state(program: RankProgram, manifest: dict, groups: RankGroups, config: EngineConfig, backend: str,
+                     device: torch.device, cache_class: type[KVCache] = KVCache) -> RankState:
     """Agree on the cache size with the other ranks, allocate this rank's share, build the executor.
 
-    `activation_dtype` is the artifact's dtype (the quantized linears' kernels are chosen for it).
-    Ranks run their graph eagerly, whatever config.executor says: the compiled executor's package
-    is keyed by the artifact, not by a rank's program, and AOTInductor would fix the process-group
-    names of the functional collectives in the compiled library.
+    The executor is the one config.executor chooses, as for a single-process
+    engine: compiled (AOTInductor) on CPU, with a package per rank keyed by
+    the artifact, the rank's position and the world size.
     """
     num_blocks, num_host_blocks = agree_on_minimum(cache_size_candidates(program, config, device))
     kv_cache = cache_class(program.kv_layout, num_blocks, device, num_host_blocks)
-    graph_module = lower_collectives(program.graph_module, groups.logical_groups)
-    executor = GraphExecutor(graph_module, program.weights, backend, device, activation_dtype)
-    logger.info("rank %d: %d KV blocks (%.1f MiB, %d kv heads x %d layers)", groups.rank, num_blocks,
-                kv_cache.num_bytes / 2**20, program.kv_layout["num_kv_heads"], program.kv_layout["num_layers"])
+    graph_module = lower_collectives(program.graph_module)
+    position = program.position
+    scope = {"rank": position.rank, "tp_size": position.tp_size, "pp_size": position.pp_size}
+    executor = create_executor(graph_module, program.weights, manifest, backend, device, config.executor,
+                               getattr(torch, manifest["dtype"]), scope)
+    logger.info("rank %d: %d KV blocks (%.1f MiB, %d kv heads x %d layers), executor %s", groups.rank, num_blocks,
+                kv_cache.num_bytes / 2**20, program.kv_layout["num_kv_heads"], program.kv_layout["num_layers"],
+                executor.kind)
+    # A rank that compiles its program takes minutes; no rank may start a step (whose collectives have the
+    # collective timeout) before every rank is ready to run it.
+    agree_on_minimum((1,))
     return RankState(program, executor, kv_cache, num_host_blocks)
 
 

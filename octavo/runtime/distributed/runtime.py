@@ -1,4 +1,4 @@
-"""Rank 0 of a parallel engine: starts this node's workers, runs stage 0 itself, and stands in for the executor.
+"""Rank 0 of a parallel engine: starts the other ranks, runs stage 0 itself, and stands in for the executor.
 
 The engine keeps its interface: `ParallelRuntime.executor.run(inputs)` runs
 one step on every rank and returns the logits; `ParallelRuntime.kv_cache` is
@@ -20,15 +20,14 @@ import torch
 
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError, WorkerFailedError
-from octavo.passes.rank_program import prepare_rank_program
-from octavo.runtime.distributed.collectives import STARTUP_TIMEOUT, connect_store, destroy_groups, init_groups
-from octavo.runtime.distributed.failures import describe_exit, diagnose, record_exit, wait_until_ready
-from octavo.runtime.distributed.launcher import LocalWorkers
+from octavo.runtime.distributed.collectives import destroy_groups, init_groups, open_store
+from octavo.runtime.distributed.failures import diagnose, record_exit, wait_until_ready
+from octavo.runtime.distributed.launch import RankLaunch, WorkerStart
 from octavo.runtime.distributed.protocol import SHUTDOWN, STEP, StepMessage
 from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
-from octavo.runtime.distributed.topology import Topology, topology_of
+from octavo.runtime.distributed.topology import Topology
 from octavo.runtime.distributed.transport import StepTransport
-from octavo.runtime.distributed.worker import WorkerSpec, threads_per_rank
+from octavo.runtime.distributed.worker import threads_per_rank
 from octavo.runtime.kv_cache import KVCache
 from octavo.runtime.loader import LoadedArtifact
 
@@ -71,33 +70,36 @@ class InFlightStep:
 class ParallelRuntime:
     """Rank 0's side of a tensor x pipeline parallel engine (see the module docstring)."""
 
-    def __init__(self, artifact: LoadedArtifact, config: EngineConfig, backend: str, device: torch.device):
+    def __init__(self, artifact: LoadedArtifact, config: EngineConfig, backend: str, device: torch.device,
+                 launch: RankLaunch):
         self.config = config
-        self.topology: Topology = topology_of(config)
-        if self.topology.node_rank != 0:
-            raise OctavoError("only node 0 runs the engine; start other nodes with `octavo serve --node-rank R`")
+        self.topology = Topology.of(config)
+        self.rendezvous = launch.rendezvous
+        if self.rendezvous.rank != 0 or self.rendezvous.world_size != self.topology.world_size:
+            raise OctavoError(f"the engine runs on rank 0 of {self.topology.world_size} ranks, not on rank "
+                              f"{self.rendezvous.rank} of {self.rendezvous.world_size}")
         if torch.distributed.is_initialized():
             raise OctavoError("this process already runs a parallel engine (one per process): shut it down first")
         self.manifest = artifact.manifest
         self.failure: WorkerFailedError | None = None
         self.closed = False
         self._lock = threading.Lock()
-        torch.set_num_threads(threads_per_rank(config, self.topology))
+        torch.set_num_threads(threads_per_rank(config, self.rendezvous.local_world_size))
         # Build rank 0's program before any worker starts: a size that does not divide fails here, at once.
-        program = prepare_rank_program(artifact.graph_module, artifact.weights, self.manifest,
-                                       self.topology.position(0))
-        self.workers = LocalWorkers(self._worker_specs(artifact, backend, device), on_exit=self._on_worker_exit)
+        program = launch.prepare_program(artifact, self.topology.position(0))
+        self.store = open_store(self.rendezvous, config.rendezvous_timeout)
+        self.workers = launch.start_workers(WorkerStart(artifact.path, backend, device.type, self._on_worker_exit))
         try:
-            self.store = connect_store(self.topology, 0)
-            causes = wait_until_ready(self.store, self.topology.world_size, self.workers.exits,
-                                      STARTUP_TIMEOUT.total_seconds())
+            causes = wait_until_ready(self.store, self.topology.world_size, self.workers.failures,
+                                      config.rendezvous_timeout)
             if causes:
                 raise WorkerFailedError(f"distributed engine could not start: {'; '.join(causes)}")
-            groups = init_groups(self.topology, 0, self.store, config.collective_timeout, device)
-            self.state = build_rank_state(program, groups, config, backend, device,
-                                          getattr(torch, self.manifest["dtype"]), RecordingKVCache)
+            groups = init_groups(self.topology, self.rendezvous, self.store, config.collective_timeout,
+                                 config.rendezvous_timeout, device)
+            self.state = build_rank_state(program, self.manifest, groups, config, backend, device, RecordingKVCache)
         except Exception as error:
             failure = self._diagnosed(error, "start-up")
+            self._abandon()
             self.workers.join(timeout=1.0)
             raise failure from error
         self.transport = StepTransport(groups, step_input_names(self.manifest), step_input_dtypes(self.manifest),
@@ -106,13 +108,8 @@ class ParallelRuntime:
         self._step = 0
         finalizer = weakref.finalize(self, ParallelRuntime._shutdown_at_exit, weakref.ref(self))
         atexit.register(finalizer)
-        logger.info("parallel engine: tensor parallel %d x pipeline parallel %d over %d node(s), rendezvous %s",
-                    self.topology.tp_size, self.topology.pp_size, self.topology.nnodes, self.topology.init_method)
-
-    def _worker_specs(self, artifact: LoadedArtifact, backend: str, device: torch.device) -> list[WorkerSpec]:
-        level = logging.getLogger("octavo").getEffectiveLevel()
-        return [WorkerSpec(str(artifact.path), self.config, self.topology, rank, backend, str(device), verify=False,
-                           log_level=level) for rank in self.topology.local_ranks if rank != 0]
+        logger.info("parallel engine: tensor parallel %d x pipeline parallel %d, launched by %s, rendezvous %s",
+                    self.topology.tp_size, self.topology.pp_size, self.rendezvous.launcher, self.rendezvous.endpoint)
 
     @property
     def kv_cache(self) -> RecordingKVCache:
@@ -153,15 +150,13 @@ class ParallelRuntime:
 
     # ---- failures and shutdown ----
 
-    def _on_worker_exit(self, rank: int, exitcode: int) -> None:
-        """From the watcher thread: a worker that dies marks the engine failed before any step notices."""
-        if hasattr(self, "store"):
-            record_exit(self.store, rank, exitcode)
-        if exitcode != 0 and not self.closed:
+    def _on_worker_exit(self, rank: int, failure: str | None) -> None:
+        """From a watcher thread: a worker that dies marks the engine failed before any step notices."""
+        record_exit(self.store, rank, failure)
+        if failure is not None and not self.closed:
             with self._lock:
                 if self.failure is None:
-                    self.failure = WorkerFailedError(f"distributed engine stopped: rank {rank} "
-                                                     f"{describe_exit(exitcode)}")
+                    self.failure = WorkerFailedError(f"distributed engine stopped: rank {rank} {failure}")
 
     def _check_alive(self) -> None:
         if self.closed:
@@ -180,9 +175,7 @@ class ParallelRuntime:
     def _abandon(self) -> None:
         """After a failure: end this node's workers and close rank 0's connections, so that the ranks of other
         nodes, waiting for a next step that will not come, fail at once and their nodes exit."""
-        for process in self.workers.processes.values():
-            if process.is_alive():
-                process.terminate()
+        self.workers.terminate()
         try:
             destroy_groups()
         except Exception as error:  # a broken group may not tear down cleanly; its sockets close with it anyway
@@ -191,9 +184,10 @@ class ParallelRuntime:
     def _diagnosed(self, error: BaseException, during: str) -> WorkerFailedError:
         if isinstance(error, WorkerFailedError):
             return error
-        causes = diagnose(self.store, self.topology.world_size, dict(self.workers.exits)) \
-            if hasattr(self, "store") else []
+        causes = diagnose(self.store, self.topology.world_size, self.workers.failures)
         what = "; ".join(causes) if causes else "a rank could not be reached"
+        if not causes and self.rendezvous.launcher not in ("octavo", "ray"):
+            what += f" ({self.rendezvous.launcher} reports which process ended)"
         return WorkerFailedError(f"distributed engine stopped during {during}: {what} ({short_error(error)})")
 
     def shutdown(self) -> None:
@@ -230,6 +224,11 @@ class DistributedExecutor:
 
     def __init__(self, runtime: ParallelRuntime):
         self.runtime = runtime
+
+    @property
+    def kind(self) -> str:
+        """The kind of executor every rank runs ("compiled" or "eager"; the ranks choose alike)."""
+        return self.runtime.state.executor.kind
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.runtime.collect(self.runtime.submit(inputs))

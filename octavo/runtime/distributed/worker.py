@@ -1,8 +1,11 @@
-"""A worker rank: load the artifact, build this rank's program, then run each step rank 0 sends until told to stop.
+"""A worker rank: meet the others, build this rank's program, then run each step rank 0 sends until told to stop.
 
-Exit codes: 0 after a shutdown message, 1 after any error (recorded in the
-rendezvous store first, so that rank 0 can name it). A worker whose peers
-vanish fails its next wait at once (their connections close) and exits; it
+The rank's program (its shard of the graph and weights) comes from the
+caller: sharding runs the parallel passes, which live above the runtime.
+Whoever started the process (Octavo's launcher, torchrun, srun, a Ray actor)
+calls `run_worker`; an error is recorded in the rendezvous store before it
+propagates, so that rank 0 can name it. A worker whose peers vanish fails
+its next wait at once (their connections close) and returns the error; it
 never outlives rank 0 for longer than that.
 """
 
@@ -10,78 +13,61 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from tqdm.std import tqdm
 
 from octavo.config import EngineConfig
-from octavo.ir.artifact_format import GRAPH, WEIGHTS
+from octavo.runtime.distributed.rendezvous import Rendezvous
 from octavo.runtime.distributed.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs (pickled to it by torch.multiprocessing)."""
+class WorkerOptions:
+    """What a worker needs besides its rendezvous: the engine's options and where it computes."""
 
-    artifact: str
     config: EngineConfig
-    topology: Topology
-    rank: int
     backend: str
-    device: str
-    verify: bool
-    log_level: int = logging.WARNING
+    device: torch.device
 
 
-def worker_main(spec: WorkerSpec) -> None:
-    """The entry point of a spawned worker process."""
-    logging.basicConfig(level=spec.log_level, format=f"%(levelname)s rank {spec.rank} %(name)s: %(message)s")
-    # tqdm's default lock (every tqdm class shares tqdm.std's) is a multiprocessing semaphore, which a killed
-    # worker would leak.
-    tqdm.set_lock(threading.RLock())
-    torch.set_num_threads(threads_per_rank(spec.config, spec.topology))
-    try:
-        run_worker(spec)
-    except BaseException as error:
-        logger.error("rank %d stopped: %s: %s", spec.rank, type(error).__name__, error)
-        sys.stderr.flush()
-        os._exit(1)  # no interpreter teardown: the process group's threads may still block on dead peers
-    sys.stderr.flush()
-    os._exit(0)  # torch's interpreter teardown takes seconds on a loaded machine, and there is nothing to keep
+def threads_per_rank(config: EngineConfig, local_world_size: int) -> int:
+    """config.num_threads, else the cores this process may use shared evenly between the node's ranks."""
+    if config.num_threads:
+        return config.num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world_size)
 
 
-def threads_per_rank(config: EngineConfig, topology: Topology) -> int:
-    """config.num_threads, else this node's cores shared evenly between its ranks."""
-    return config.num_threads or max(1, (os.cpu_count() or 1) // topology.ranks_per_node)
+def run_worker(rendezvous: Rendezvous, options: WorkerOptions, build_program: Callable[[], tuple[dict, object]]
+               ) -> None:
+    """Serve steps as rank `rendezvous.rank` until rank 0 sends the shutdown message.
 
-
-def run_worker(spec: WorkerSpec) -> None:
-    from octavo.passes.rank_program import prepare_rank_program
-    from octavo.runtime.distributed.collectives import connect_store, init_groups
+    `build_program()` loads the artifact and returns its manifest and this rank's
+    program (a RankProgram of octavo.passes.rank_program).
+    """
+    from octavo.runtime.distributed.collectives import init_groups, open_store
     from octavo.runtime.distributed.failures import mark_ready, record_error, start_heartbeat
     from octavo.runtime.distributed.protocol import SHUTDOWN
     from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
     from octavo.runtime.distributed.transport import StepTransport
 
-    store = connect_store(spec.topology, spec.rank)
-    start_heartbeat(store, spec.rank)
+    config = options.config
+    torch.set_num_threads(threads_per_rank(config, rendezvous.local_world_size))
+    store = open_store(rendezvous, config.rendezvous_timeout)
+    start_heartbeat(store, rendezvous.rank)
     try:
-        manifest, graph_module, weights = load_program_inputs(Path(spec.artifact), spec.verify)
-        device = torch.device(spec.device)
-        program = prepare_rank_program(graph_module, weights, manifest, spec.topology.position(spec.rank))
-        mark_ready(store, spec.rank)
-        groups = init_groups(spec.topology, spec.rank, store, spec.config.collective_timeout, device)
-        state = build_rank_state(program, groups, spec.config, spec.backend, device,
-                                 getattr(torch, manifest["dtype"]))
-        transport = StepTransport(groups, step_input_names(manifest), step_input_dtypes(manifest), device)
+        manifest, program = build_program()
+        mark_ready(store, rendezvous.rank)
+        groups = init_groups(Topology.of(config), rendezvous, store, config.collective_timeout,
+                             config.rendezvous_timeout, options.device)
+        state = build_rank_state(program, manifest, groups, config, options.backend, options.device)
+        transport = StepTransport(groups, step_input_names(manifest), step_input_dtypes(manifest), options.device)
         sends_logits = program.pipeline_stage is None or not program.pipeline_stage["outputs"]
-        sends_logits = sends_logits and groups.topology.position(spec.rank).tp_rank == 0
+        sends_logits = sends_logits and program.position.tp_rank == 0
         while True:
             message = transport.receive_step()
             if message.opcode == SHUTDOWN:
@@ -91,17 +77,5 @@ def run_worker(spec: WorkerSpec) -> None:
             if logits is not None and sends_logits:
                 transport.send_logits(logits)
     except BaseException as error:
-        record_error(store, spec.rank, error)
+        record_error(store, rendezvous.rank, error)
         raise
-
-
-def load_program_inputs(root: Path, verify: bool) -> tuple[dict, torch.fx.GraphModule, dict[str, torch.Tensor]]:
-    """The manifest, graph and memory-mapped weights of an artifact (a worker needs no tokenizer)."""
-    from octavo.ir.onnx_io import import_graph_from_onnx
-    from octavo.runtime.loader import read_manifest, verify_files
-    from octavo.runtime.weights import load_safetensors_mmap
-
-    manifest = read_manifest(root)
-    if verify:
-        verify_files(root, manifest)
-    return manifest, import_graph_from_onnx(root / GRAPH), load_safetensors_mmap(root / WEIGHTS)

@@ -90,6 +90,10 @@ class Speculator:
         if proposals is None:
             proposals = self.proposer.propose(candidates, counts)
         for seq, proposal, count in zip(candidates, proposals, counts, strict=True):
+            if proposal.draft_probs is None:
+                # A point-mass proposal the grammar forbids would be rejected for sure, and what is then
+                # sampled there is the target's own distribution: stopping before it changes nothing but cost.
+                count = len(self.engine.structured.check_proposals(seq, proposal.token_ids[:count]))
             if count and proposal.token_ids:
                 draft_probs = proposal.draft_probs[:count] if proposal.draft_probs is not None else None
                 self._proposals[seq] = Proposal(proposal.token_ids[:count], draft_probs)
@@ -151,7 +155,9 @@ class Speculator:
             sampling_rows += [SamplingRow(seq.params, seq.prompt_token_ids, output + item.spec_token_ids[:j],
                                           seq.generator) for j in range(len(item.spec_token_ids) + 1)]
         row_logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        distributions = self.engine.sampler.distributions(row_logits, sampling_rows)
+        step_mask = self.engine.step_mask
+        banned = step_mask.select(rows, logits.device) if step_mask is not None else None
+        distributions = self.engine.sampler.distributions(row_logits, sampling_rows, banned)
         greedy = distributions.greedy_token_ids.tolist()
         decisions = []
         offset = 0
@@ -258,11 +264,19 @@ def _describe(cost: StepCostModel) -> str:
 
 
 def build_speculator(engine) -> Speculator:
-    """The Speculator of `engine` for its `config.speculative` (the draft artifact is loaded here)."""
+    """The Speculator of `engine` for its `config.speculative` (the draft artifact is loaded here).
+
+    In a tensor-parallel engine the proposer runs on rank 0 alone, beside the
+    scheduler and the sampler that use its tokens: a draft small enough to pay
+    gains nothing from being split (each of its k sequential steps would wait
+    on collectives), and a replica on every rank would compute the same tokens
+    for nobody. The verification step is an ordinary step of every rank.
+    """
     config: SpeculativeConfig = engine.config.speculative
-    if engine.config.world_size > 1:
-        raise OctavoError("speculative decoding runs on a single-process engine; it is not available with "
-                          "tensor_parallel_size or pipeline_parallel_size > 1 yet")
+    if engine.pipeline is not None and engine.pipeline.depth > 1:
+        # Batches in flight through the stages would verify proposals made before the previous batch's tokens.
+        raise OctavoError("speculative decoding is not available with pipeline_parallel_size > 1 (it runs with "
+                          "tensor parallelism, or with pipeline_depth 1)")
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:

@@ -29,8 +29,10 @@ def test_cpu_backend_covers_every_op_the_torch_backend_does(cpu_kernels):
     assert table[ops.linear_w16.default] is native.linear_w16.default
     assert table[ops.linear_w8.default] is native.linear_w8.default
     assert table[ops.linear_w4.default] is native.linear_w4.default
+    assert table[ops.moe.default] is native.moe.default
     assert {op for op in table if table[op] is not torch_table[op]} == {
-        ops.paged_attention.default, ops.linear_w16.default, ops.linear_w8.default, ops.linear_w4.default}
+        ops.paged_attention.default, ops.linear_w16.default, ops.linear_w8.default, ops.linear_w4.default,
+        ops.moe.default}
 
 
 def test_cpu_backend_refuses_other_devices():

@@ -1,4 +1,4 @@
-"""The C++ linear_w8 / linear_w4 (weights dequantized in the kernel) against the layouts' definition.
+"""The C++ linear_w8 / linear_w4 / linear_fp8 (weights dequantized in the kernel) against the layouts' definition.
 
 The reference is the definition (octavo.ir.quantized_layout's float32 dequantization, then x @ W.T + bias)
 computed in float64, so it is exact up to float64 rounding. Bounds follow Higham (Accuracy and Stability of
@@ -6,9 +6,9 @@ Numerical Algorithms, lemma 3.1): a result that reaches every term through at mo
 (u = 2^-24), each a factor (1 + d) or 1 / (1 + d) with |d| <= u, is within gamma_n * sum_k |x_k w_k| + |bias|
 of the exact one (gamma_n = n u / (1 - n u)); the order of the sum does not matter.
 
-- w4, and w8 above 8 rows: each weight is dequantized exactly as the definition does (the same float32
-  roundings), then the K products and the bias are summed in float32: one rounding per product and at most K
-  additions on any term's way, n = K + 1.
+- w4, fp8, and w8 above 8 rows: each weight is dequantized exactly as the definition does (the same float32
+  roundings; fp8's widening is exact), then the K products and the bias are summed in float32: one rounding
+  per product and at most K additions on any term's way, n = K + 1.
 - w8 GEMV (up to 8 rows; see gemv_int8.h): x * float(q) summed over each group, the sum multiplied by the
   group's scale, the groups and the bias added: a product, at most K additions and the scaling, K + 2 roundings
   of the exact x * q * scale; against the reference's weights w = fl(q * scale) = q * scale * (1 + d) one factor
@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.ir.quantized_layout import dequantize_w4, dequantize_w8, num_groups, pack_int4
+from octavo.ir.quantized_layout import dequantize_fp8, dequantize_w4, dequantize_w8, num_groups, pack_int4
 
 ROWS = [1, 2, 7, 8, 9, 64]
 GEMV_ROWS = 8
@@ -44,6 +44,14 @@ def w4_weight(n: int, k: int, group_size: int, scale_dtype: torch.dtype, generat
     scales = (torch.rand(n, groups, generator=generator) * 0.02 + 1e-3).to(scale_dtype)
     offsets = (torch.randn(n, groups, generator=generator) * 0.1).to(scale_dtype)
     return pack_int4(values), scales, offsets
+
+
+def fp8_weight(n: int, k: int, generator: torch.Generator):
+    """Every float8_e4m3fn bit pattern but NaN's, at random (subnormals, both zeros and +-448 included)."""
+    bits = torch.randint(0, 254, (n, k), dtype=torch.int32, generator=generator)
+    bits = bits + (bits >= 0x7F).int()  # skip 0x7F, the positive NaN; 254 + 1 = 0xFF stays out of range
+    qweight = bits.to(torch.uint8).view(torch.float8_e4m3fn)
+    return qweight, torch.rand(n, generator=generator) * 0.02 + 1e-3
 
 
 def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -117,6 +125,33 @@ def test_w4_matches_definition(rows, group_size, cpu_kernels):
     assert_within_rounding(output, x, weight, None)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+def test_fp8_matches_definition(rows, cpu_kernels):
+    """K = 200 (no multiple of a vector), N = 37 (odd): the weights stay float8 and are widened in the kernel."""
+    generator = torch.Generator().manual_seed(rows)
+    qweight, scales = fp8_weight(37, 200, generator)
+    x = torch.randn(rows, 200, generator=generator)
+    bias = torch.randn(37, generator=generator)
+    weight = dequantize_fp8(qweight, scales)
+    assert_within_rounding(torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, bias), x, weight, bias)
+    assert_within_rounding(torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, None), x, weight, None)
+
+
+def test_fp8_widening_is_exact_for_every_bit_pattern(cpu_kernels):
+    """Identity rows of x pick single weights: the kernel's widening of each of the 254 non-NaN patterns (in
+    registers in the GEMV up to 8 rows, element by element at a row's end and in the GEMM's tiles) is torch's."""
+    patterns = torch.tensor([bits for bits in range(256) if bits & 0x7F != 0x7F], dtype=torch.uint8)
+    qweight = torch.stack([patterns.roll(shift) for shift in range(3)]).view(torch.float8_e4m3fn)  # [3, 254]
+    expected = qweight.float().T
+    identity = torch.eye(254)
+    for first in range(0, 254, 8):  # the GEMV, 8 rows at a time
+        output = torch.ops.octavo_cpu.linear_fp8(identity[first:first + 8], qweight, torch.ones(3), None)
+        assert torch.equal(output, expected[first:first + 8])  # (a sum's zero is +0.0 whatever its terms' signs)
+    assert torch.equal(torch.ops.octavo_cpu.linear_fp8(identity, qweight, torch.ones(3), None), expected)
+    nan = torch.full((1, 40), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.ops.octavo_cpu.linear_fp8(torch.ones(1, 40), nan, torch.ones(1), None).isnan().all()
+
+
 @pytest.mark.parametrize("rows", [9, 64])
 def test_bf16_gemm_within_its_rounding(rows, cpu_kernels):
     """bf16_gemm rounds x and the tiles to bfloat16 above 8 rows (bias in float32); 300 rows span three tiles."""
@@ -131,6 +166,9 @@ def test_bf16_gemm_within_its_rounding(rows, cpu_kernels):
     assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 64), None, bf16_gemm=True)
     assert not torch.equal(output, torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 64)), \
         "the bfloat16 GEMM rounds differently from the float32 one"
+    qweight, scales = fp8_weight(300, 200, generator)
+    output = torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, bias, True)
+    assert_within_rounding(output, x, dequantize_fp8(qweight, scales), bias, bf16_gemm=True)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
@@ -210,12 +248,16 @@ def test_fake_kernels_describe_the_outputs(cpu_kernels):
     packed, scales, offsets = w4_weight(24, 40, 32, torch.float16, generator)
     torch.library.opcheck(torch.ops.octavo_cpu.linear_w4.default, (x, packed, scales, offsets, None, 32),
                           test_utils=("test_schema", "test_faketensor"))
+    qweight, scales = fp8_weight(24, 40, generator)
+    # (opcheck's test_schema compares its inputs with an arithmetic torch lacks for float8 tensors.)
+    torch.library.opcheck(torch.ops.octavo_cpu.linear_fp8.default, (x, qweight, scales, None),
+                          test_utils=("test_faketensor",))
 
 
-def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
-    """On the cpu backend w8 and w4 linears (the last one too) run the C++ kernels, on float32 scales; fp8 does not.
-
-    Their GEMMs run in bfloat16 exactly where the CPU has native bfloat16 (the last linear, fp8 here, is not one).
+def test_cpu_backend_lowers_w8_w4_and_fp8_to_the_native_kernels(cpu_kernels):
+    """On the cpu backend w8, w4 and fp8 linears (the last one too) run the C++ kernels, on float32 scales, their
+    weights as stored (no dequantized copy). Their GEMMs run in bfloat16 exactly where the CPU has native bfloat16,
+    except the last linear's (fp8 here), which produces the logits in float32.
     """
     from octavo.codegen.lowering import lower_graph
     from octavo.codegen.torch_backend.weight_packing import CpuFeatures
@@ -223,16 +265,17 @@ def test_cpu_backend_lowers_w8_and_w4_to_the_native_kernels(cpu_kernels):
 
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(3, 96, generator=generator)
-    graph_module, dense = _quantized_graph(0.1 * torch.randn(40, 96, generator=generator))
+    graph_module, dense, _ = _quantized_graph(0.1 * torch.randn(40, 96, generator=generator))
     lower_graph(graph_module, "cpu", torch.float32)
     calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
     native = torch.ops.octavo_cpu
-    assert [node.target for node in calls[:4]] == [native.linear_w8.default, native.linear_w8.default,
-                                                   native.linear_w4.default, native.linear_w4.default]
-    assert calls[4].target == torch.ops.octavo_torch.linear_dequantized.default
-    for node in calls[:4]:
-        assert node.args[-1] is CpuFeatures.detect().native_bf16
+    assert [node.target for node in calls] == [native.linear_w8.default, native.linear_w8.default,
+                                               native.linear_w4.default, native.linear_w4.default,
+                                               native.linear_fp8.default]
+    for node in calls:
+        assert node.args[-1] is (CpuFeatures.detect().native_bf16 and node is not calls[-1])
         parameters = node.args[2:4] if node.target == native.linear_w4.default else node.args[2:3]
         assert all(getattr(graph_module, arg.target).dtype == torch.float32 for arg in parameters)
-    for output, (name, weight) in zip(graph_module(x)[:4], dense.items(), strict=False):
+    assert getattr(graph_module, calls[-1].args[1].target).dtype == torch.float8_e4m3fn
+    for output, (name, weight) in zip(graph_module(x), dense.items(), strict=True):
         assert_within_rounding(output, x, weight, None, w8=name.startswith("w8"))

@@ -235,3 +235,32 @@ def test_bad_arguments_name_what_is_wrong(cpu_kernels):
     short["seq_lens"][0] = 60
     with pytest.raises(RuntimeError, match="needs 4 blocks but block_tables has 3 columns"):
         torch.ops.octavo_cpu.paged_attention(**short)
+
+
+# Scores of unit-normal rows at scale 1/sqrt(D) spread over about +-3: a cap of 1.5 bends most of them.
+SOFT_CAP = 1.5
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "window"),
+                         [(torch.float32, 64, -1), (torch.bfloat16, 64, -1), (torch.float32, 64, 24),
+                          (torch.bfloat16, 128, 6), (torch.float16, 80, -1)],
+                         ids=["fp32", "bf16", "fp32-window", "bf16-d128-window", "fp16-d80-tiled"])
+def test_soft_capped_scores_match_reference(dtype, head_dim, window, cpu_kernels, monkeypatch):
+    """Decodes (in place and tiled rows), prefills and chunks with capped scores; ATen's flash attention has no
+    cap, so even where it is asked for every prefill the capped ones stay on the paged kernels."""
+    monkeypatch.setenv("OCTAVO_CPU_PREFILL_ATTENTION", "aten")
+    batch = make_batch(MIXED, 6, 2, head_dim, dtype=dtype, sliding_window=window, num_padding=1, seed=head_dim)
+    batch["soft_cap"] = SOFT_CAP
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        capped = assert_matches_reference(batch)
+    assert not any("flash_attention" in event.key for event in profile.key_averages())
+    uncapped = {**batch, "soft_cap": 0.0}
+    assert not torch.allclose(torch.ops.octavo_cpu.paged_attention(**copy_batch(uncapped))[:len(capped)].float(),
+                              capped.float(), atol=0.05)
+
+
+def test_soft_capped_cascade_decodes_match_reference(cpu_kernels):
+    batch = make_batch([(161, 1), (200, 1), (333, 1)], 9, 3, 64, shared_blocks=10, seed=11)
+    batch["soft_cap"] = SOFT_CAP
+    assert schedule(batch)["shared"] == 2 * 3
+    assert_matches_reference(batch)

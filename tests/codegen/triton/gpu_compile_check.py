@@ -31,8 +31,9 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                  "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
-FLOAT_SCALARS = {"qk_scale", "eps"}
+                  "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "sorted_pairs_ptr": "*i32",
+                  "block_experts_ptr": "*i32"}
+FLOAT_SCALARS = {"qk_scale", "eps", "soft_cap"}
 
 
 @dataclass
@@ -77,6 +78,7 @@ def cases() -> list[Case]:
         attention_prefill,
         fused_pointwise,
         kv_cache_write,
+        moe,
         norm,
         quantized_linear,
         rotary,
@@ -95,9 +97,11 @@ def cases() -> list[Case]:
     # x * y + z in bf16: contracted, the two steps would become one fma.rn.bf16x2 (one rounding).
     multiply_add = pointwise_program([("aten.mul.Tensor", [("input", 0), ("input", 1)]),
                                       ("aten.add.Tensor", [("step", 0), ("input", 2)])])
-    attention = {"BLOCK_N": 32, "BLOCK_D": 128}
+    attention = {"BLOCK_N": 32, "BLOCK_D": 128, "SOFT_CAP": False}
     pointwise = fused_pointwise.LAUNCH_OPTIONS
     quantized = {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}
+    grouped = {"A_ROWS_ARE_TOKENS": True, "LAYOUT": moe.FLOAT, "MUL_ROUTING": False, "DOT_PRECISION": "tf32",
+               "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32}
     return [
         Case("kv_cache_write", kv_cache_write._kv_cache_write_kernel, {"BLOCK_T": 2, "BLOCK_H": 8, "BLOCK_D": 128},
              "*bf16"),
@@ -112,8 +116,17 @@ def cases() -> list[Case]:
              {"BLOCK_M": 64, **attention, "DOT_PRECISION": "ieee", "num_seqs": 1, "group_size": 1}, "*fp32"),
         Case("attention_decode bf16, no GQA", attention_decode._decode_attention_kernel,
              {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32", "group_size": 1}, "*bf16"),
-        Case("rms_norm (fused add)", norm._rms_norm_kernel, {"ADD_RESIDUAL": True, "BLOCK_R": 2, "BLOCK_H": 1024},
-             "*bf16"),
+        Case("attention_decode bf16, soft-capped", attention_decode._decode_attention_kernel,
+             {"BLOCK_G": 16, **attention, "DOT_PRECISION": "tf32", "SOFT_CAP": True}, "*bf16"),
+        Case("attention_prefill bf16, soft-capped", attention_prefill._prefill_attention_kernel,
+             {"BLOCK_M": 64, **attention, "DOT_PRECISION": "tf32", "SOFT_CAP": True}, "*bf16"),
+        Case("rms_norm (fused add)", norm._rms_norm_kernel,
+             {"ADD_RESIDUAL": True, "MULTIPLY_IN_FLOAT32": False, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        Case("rms_norm (weight in float32)", norm._rms_norm_kernel,
+             {"ADD_RESIDUAL": False, "MULTIPLY_IN_FLOAT32": True, "BLOCK_R": 2, "BLOCK_H": 1024}, "*bf16"),
+        Case("moe grouped gemm (gate/up)", moe._grouped_gemm_kernel, grouped, "*bf16"),
+        Case("moe grouped gemm (down, routed)", moe._grouped_gemm_kernel,
+             {**grouped, "A_ROWS_ARE_TOKENS": False, "MUL_ROUTING": True}, "*bf16"),
         Case("rotary", rotary._rotary_kernel, {"BLOCK_R": 32, "BLOCK_HALF": 64}, "*bf16"),
         Case("silu_and_mul", activation._gated_activation_kernel, {"ACTIVATION": 0, "BLOCK_R": 2, "BLOCK": 1024},
              "*bf16"),

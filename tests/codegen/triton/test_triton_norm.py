@@ -43,6 +43,22 @@ def test_fused_add_rms_norm(shape, dtype, device):
     assert_close_for_dtype(normed, expected_normed, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weight_multiplied_in_float32(dtype, device):
+    """Gemma's and OLMo 2's order: the float32 weight multiplies before the one rounding to x's dtype."""
+    x, residual, weight = _inputs((1, 7, 128), dtype, device, seed=2)
+    offset_weight = weight.float() + 1.0
+    actual = rms_norm(x, offset_weight, 1e-6, True)
+    expected = rms_norm_reference(x.cpu(), offset_weight.cpu(), 1e-6, True)
+    assert actual.dtype == dtype
+    assert_close_for_dtype(actual, expected, dtype)
+    normed, new_residual = fused_add_rms_norm(x, residual, offset_weight, 1e-6, True)
+    expected_normed, expected_residual = fused_add_rms_norm_reference(x.cpu(), residual.cpu(), offset_weight.cpu(),
+                                                                      1e-6, True)
+    assert torch.equal(new_residual.cpu(), expected_residual)
+    assert_close_for_dtype(normed, expected_normed, dtype)
+
+
 def test_fp32_weight_on_bf16_input_gives_fp32(device):
     x, _, weight = _inputs((1, 3, 64), torch.bfloat16, device)
     actual = rms_norm(x, weight.float(), 1e-6)

@@ -24,10 +24,11 @@ EDGE_CASES = {
 }
 
 
-def run_both(batch, scale: float, sliding_window: int):
+def run_both(batch, scale: float, sliding_window: int, soft_cap: float = 0.0):
     reference_keys, reference_values = batch.key_cache.clone(), batch.value_cache.clone()
-    expected = reference_paged_attention(*batch.args(reference_keys, reference_values), scale, sliding_window)
-    actual = paged_attention(*batch.args(), scale, sliding_window)
+    expected = reference_paged_attention(*batch.args(reference_keys, reference_values), scale, sliding_window,
+                                         soft_cap=soft_cap)
+    actual = paged_attention(*batch.args(), scale, sliding_window, soft_cap=soft_cap)
     return actual, expected, (reference_keys, reference_values)
 
 
@@ -55,6 +56,19 @@ def test_edge_cases_match_definition(case, device):
     assert_close_for_dtype(actual, expected, dtype)
     torch.testing.assert_close(batch.key_cache, keys, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(batch.value_cache, values, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [-1, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_soft_capped_scores_match_definition(dtype, window, device):
+    """Gemma 2's cap on decodes, prefills and chunks: 1.5 bends scores that spread over about +-3."""
+    query_lens, seq_lens, block_size = MIXED
+    batch = make_paged_batch(query_lens, seq_lens, 6, 2, 64, block_size, dtype, device, seed=5)
+    actual, expected, _ = run_both(batch, 64 ** -0.5, window, soft_cap=1.5)
+    assert_close_for_dtype(actual, expected, dtype)
+    uncapped = reference_paged_attention(*batch.args(batch.key_cache.clone(), batch.value_cache.clone()),
+                                         64 ** -0.5, window)
+    assert not torch.allclose(uncapped.float(), expected.float(), atol=0.05)
 
 
 def test_padding_tokens_are_neither_cached_nor_attended(device):

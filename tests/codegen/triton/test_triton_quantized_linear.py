@@ -1,4 +1,5 @@
-"""Triton linear_w8 / linear_w4 / linear_fp8 against dequantize-then-matmul in float32 (the ops' definitions)."""
+"""Triton linear_w8 / linear_w4 / linear_fp8 / linear_w16 against dequantize-then-matmul in float32 (the ops'
+definitions)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from triton_test_utils import assert_close_for_dtype
 
-from octavo.codegen.triton_backend.quantized_linear import embedding_w4, linear_fp8, linear_w4, linear_w8
+from octavo.codegen.triton_backend.quantized_linear import embedding_w4, linear_fp8, linear_w4, linear_w8, linear_w16
 from octavo.config import EngineConfig
 from octavo.errors import OctavoError
 from octavo.ir.ops.quantized_linear import linear_reference
@@ -48,6 +49,18 @@ def test_quantized_linear(leading, columns, out, group, layout, dtype, device):
     assert actual.shape == expected.shape and actual.dtype == dtype
     # bf16: the weight meets the bf16 activations rounded to bf16 (tensor-core inputs): a bf16 ulp per product.
     assert_close_for_dtype(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("leading", "columns", "out", "group"), SHAPES)
+def test_linear_w16_widens_tiles_in_the_kernel(leading, columns, out, group, weight_dtype, device):
+    """octavo.linear_w16: float32 x, a 16-bit weight widened (exactly) slice by slice, IEEE float32 products."""
+    x, weight, bias = _inputs(leading, columns, out, torch.float32, device)
+    narrow = weight.to(weight_dtype)
+    actual = linear_w16(x.to(device), narrow.to(device), bias.to(device))
+    expected = torch.ops.octavo.linear_w16(x, narrow, bias)
+    assert actual.shape == expected.shape and actual.dtype == torch.float32
+    assert_close_for_dtype(actual, expected, torch.float32)
 
 
 def test_without_bias(device):

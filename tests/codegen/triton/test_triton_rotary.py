@@ -36,6 +36,21 @@ def test_rotary_embedding(num_tokens, num_heads, num_kv_heads, head_dim, dtype, 
     assert_close_for_dtype(actual_key, expected_key, dtype)
 
 
+def test_partial_rotary_rotates_the_first_dims_of_each_head(device):
+    """Phi-4-mini's form: the rotary dims are a slice of each head (a strided view), the cache that narrow."""
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(1, 5, 4, 16, generator=generator).transpose(1, 2)
+    key = torch.randn(1, 5, 2, 16, generator=generator).transpose(1, 2)
+    positions = torch.tensor([0, 3, 7, 8, 30])
+    cache = cos_sin_cache(40, 12, torch.float32)
+    expected = rotary_embedding_reference(query[..., :12], key[..., :12], positions, cache)
+    actual = rotary_embedding(query[..., :12].to(device), key[..., :12].to(device), positions.to(device),
+                              cache.to(device))
+    for rotated, reference in zip(actual, expected, strict=True):
+        assert rotated.shape == reference.shape
+        assert_close_for_dtype(rotated, reference, torch.float32)
+
+
 def test_inputs_are_not_modified(device):
     query = torch.randn(1, 2, 3, 64, device=device)
     key = torch.randn(1, 1, 3, 64, device=device)

@@ -1,4 +1,4 @@
-"""Two `octavo serve` node processes on 127.0.0.1 (tensor parallel 2 x pipeline parallel 2, two ranks each).
+"""Two `octavo serve` node processes on 127.0.0.1 (pipeline parallel 2: one stage, one rank, per node).
 
 Node 0 serves the OpenAI API; node 1 only runs its ranks. Their completions
 must equal the single-process engine's; when a rank of node 1 is killed, the
@@ -21,7 +21,7 @@ import pytest
 from octavo.config import EngineConfig
 from octavo.errors import WorkerFailedError
 from octavo.llm import LLM
-from octavo.runtime.engine import LLMEngine
+from octavo.parallel import create_engine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.serve.server_process import free_port, start_server
 
@@ -39,7 +39,7 @@ def test_two_nodes_serve_like_one_process_and_answer_503_when_a_rank_dies(tiny_a
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [output.outputs[0].text for output in reference.generate(PROMPTS, params)]
 
-    layout = ["-tp", "2", "-pp", "2", "--nnodes", "2", "--distributed-init", f"tcp://127.0.0.1:{free_port()}"]
+    layout = ["-pp", "2", "--nnodes", "2", "--distributed-init", f"tcp://127.0.0.1:{free_port()}"]
     with open(tmp_path / "node1.log", "w") as log:
         node1 = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", str(artifact), *layout, *ENGINE,
                                   "--node-rank", "1", "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
@@ -82,7 +82,7 @@ def test_a_rank_that_cannot_load_stops_the_start_with_its_error(tiny_artifact, t
                               distributed_init=init)
         with pytest.raises(WorkerFailedError, match=f"rank 1 failed: ArtifactError: no such artifact directory: "
                                                     f"{missing}"):
-            LLMEngine(tiny_artifact("llama"), config)
+            create_engine(tiny_artifact("llama"), config)
         assert node1.wait(timeout=60) == 1
     finally:
         if node1.poll() is None:

@@ -21,7 +21,9 @@ import time
 import pytest
 import torch
 
+from octavo.config import EngineConfig
 from octavo.errors import WorkerFailedError
+from octavo.parallel import create_engine
 from octavo.runtime.loader import load_artifact
 from octavo.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_pool_full
@@ -98,8 +100,8 @@ def llama(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def tensor_parallel_engine(llama):
-    engine = make_engine(llama, **POOL, preemption_mode="swap", swap_space="1MiB", tensor_parallel_size=2,
-                         collective_timeout=TIMEOUT_S)
+    engine = create_engine(llama, EngineConfig(**POOL, preemption_mode="swap", swap_space="1MiB",
+                                               tensor_parallel_size=2, collective_timeout=TIMEOUT_S))
     yield engine
     engine.shutdown()
 
@@ -117,8 +119,8 @@ def test_a_killed_tensor_parallel_worker_is_named(tensor_parallel_engine):
 
 @pytest.fixture(scope="module")
 def pipeline_engine(tiny_artifact):
-    engine = make_engine(load_artifact(tiny_artifact("qwen3")), **POOL, pipeline_parallel_size=2,
-                         collective_timeout=TIMEOUT_S)
+    engine = create_engine(load_artifact(tiny_artifact("qwen3")),
+                           EngineConfig(**POOL, pipeline_parallel_size=2, collective_timeout=TIMEOUT_S))
     yield engine
     engine.shutdown()
 

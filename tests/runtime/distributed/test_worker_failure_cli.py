@@ -22,7 +22,7 @@ def test_generate_names_the_killed_rank_and_exits_non_zero(tiny_artifact):
     try:
         assert process.stdout.read(1), "no text was generated"  # the engine is stepping
         worker = next(child for child in psutil.Process(process.pid).children()
-                      if "spawn_main" in " ".join(child.cmdline()))
+                      if "octavo.parallel.worker" in child.cmdline())
         worker.send_signal(signal.SIGKILL)
         start = time.monotonic()
         _, stderr = process.communicate(timeout=TIMEOUT_S + 30)

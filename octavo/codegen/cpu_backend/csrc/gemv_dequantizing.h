@@ -1,6 +1,7 @@
 // The streaming GEMV of the quantized linears (linear_quantized.cpp) for up to kGemvRows rows of x: every weight
 // read once, dequantized in registers exactly as its layout defines it (w8: float(q) * scale; w4: float(q) *
-// scale, then + offset), out = sum over k of x * weight (+ bias), float32 throughout in the kernel's own order.
+// scale, then + offset; fp8: float(q) * scale), out = sum over k of x * weight (+ bias), float32 throughout in the
+// kernel's own order.
 // The w8 weights take gemv_int8.h's scaled group sums where those apply.
 #pragma once
 
@@ -88,6 +89,24 @@ struct Int4Weight {
     __builtin_prefetch(scales + i);
     __builtin_prefetch(offsets + i);
   }
+};
+
+// fp8: W[n, k] = float(q[n, k]) * scales[n]: float8_e4m3fn values, one scale per output channel (one group of K
+// columns), widened in registers by load_widened.
+struct Fp8Weight {
+  static constexpr bool kNeedsEvenStart = false;
+  static constexpr bool kSplitsColumns = false;
+  const c10::Float8_e4m3fn* q;
+  const float* scales;
+  int64_t N, K, group_size, groups;
+
+  float scale(int64_t n, int64_t) const { return scales[n]; }
+  float offset(int64_t, int64_t) const { return 0.f; }
+  Vec values(int64_t n, int64_t k, const Vec& s, const Vec&) const { return load_widened(q + n * K + k) * s; }
+  float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
+  int64_t row_bytes() const { return K; }
+  const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(q) + n * K; }
+  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales + i); }
 };
 
 // Columns [begin, end) of one group: the first column whose vectors can start there, and the end of the vectors.
@@ -295,6 +314,10 @@ void gemv_dispatch(int64_t rows, const W& w, const float* x, const float* bias, 
 }
 
 inline void gemv_for(int64_t rows, const Int4Weight& w, const float* x, const float* bias, float* out) {
+  gemv_dispatch(rows, w, x, bias, out);
+}
+
+inline void gemv_for(int64_t rows, const Fp8Weight& w, const float* x, const float* bias, float* out) {
   gemv_dispatch(rows, w, x, bias, out);
 }
 

@@ -1,6 +1,6 @@
-// octavo_cpu::linear_w8 / linear_w4: x @ W.T (+ bias) over the int8 and 4-bit weight layouts of
-// octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas), never stored dequantized:
-// decode reads the int8 / int4 bytes. x, the accumulation, the bias and the result are float32; x of another float
+// octavo_cpu::linear_w8 / linear_w4 / linear_fp8: x @ W.T (+ bias) over the int8, 4-bit and float8_e4m3fn weight
+// layouts of octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas), never stored
+// dequantized: decode reads the int8 / int4 / fp8 bytes. x, the accumulation, the bias and the result are float32; x of another float
 // dtype is widened first and the result rounded to it once at the end.
 //
 // Up to kGemvRows rows of x: a streaming kernel that reads every weight once and keeps the rows of x in cache
@@ -8,8 +8,8 @@
 // float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
-// - w4 (every path) and the w8 GEMM: each weight dequantized exactly as the layout defines it (w8: float(q) *
-//   scale; w4: float(q) * scale, then + offset), then out = sum over k of x * weight (+ bias).
+// - w4 and fp8 (every path) and the w8 GEMM: each weight dequantized exactly as the layout defines it (w8 and fp8:
+//   float(q) * scale; w4: float(q) * scale, then + offset), then out = sum over k of x * weight (+ bias).
 // - w8 GEMV (gemv_int8.h), for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
@@ -170,10 +170,28 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   });
 }
 
+at::Tensor linear_fp8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& bias, bool bf16_gemm) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kFloat8_e4m3fn && qweight.dim() == 2,
+              "linear_fp8: qweight must be a 2-d float8_e4m3fn CPU tensor, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(scales.device().is_cpu() && is_float(scales) && scales.numel() == N, "linear_fp8: scales must be a ",
+              "float tensor of ", N, " values (one per output channel), got ", scales.scalar_type(), " ",
+              scales.sizes());
+  const at::Tensor s = scales.reshape({N}).to(at::kFloat).contiguous();
+  const at::Tensor q = qweight.contiguous();
+  return run_linear("linear_fp8", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
+    compute(Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), s.const_data_ptr<float>(), N, K, K, 1}, x, b, out,
+            bf16_gemm);
+  });
+}
+
 }  // namespace
 }  // namespace octavo_cpu
 
 TORCH_LIBRARY_IMPL(octavo_cpu, CPU, m) {
   m.impl("linear_w8", &octavo_cpu::linear_w8);
   m.impl("linear_w4", &octavo_cpu::linear_w4);
+  m.impl("linear_fp8", &octavo_cpu::linear_fp8);
 }

@@ -78,6 +78,7 @@ void chunk_partials_tiled(const Problem& p, const int32_t* blocks, int64_t head,
   float* scores = s.scores.data();
   for (int64_t q = 0; q < nq; ++q) {
     score_rows(queries[q], s.key_rows.data(), n, p.scale, scores, p.padded_dim);
+    soft_cap_row(scores, n, p.soft_cap);
     const float m = row_max(scores, n);
     records[q][pvd] = m;
     records[q][pvd + 1] = exp_shift_sum(scores, n, m);
@@ -327,7 +328,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                            const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
                            const std::optional<at::Tensor>& key_scale_cache,
-                           const std::optional<at::Tensor>& value_scale_cache) {
+                           const std::optional<at::Tensor>& value_scale_cache, double soft_cap) {
   TORCH_CHECK(query.device().is_cpu(), "octavo_cpu::paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "paged_attention: query, key and value must be [tokens, heads, head_dim]");
@@ -385,8 +386,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   // kernels write the other sequences' rows into a float buffer with rows padded to whole vectors.
   const int32_t* start_data = starts.const_data_ptr<int32_t>();
   const int32_t* length_data = seq_lens.const_data_ptr<int32_t>();
-  const std::vector<uint8_t> by_aten = aten_prefills(query, key, key_cache.scalar_type(), sliding_window,
-                                                   head_dim == value_dim, length_data, start_data, batch);
+  // ATen's flash attention has no score soft-cap: capped attention stays on the paged kernels.
+  const std::vector<uint8_t> by_aten =
+      soft_cap > 0 ? std::vector<uint8_t>()
+                   : aten_prefills(query, key, key_cache.scalar_type(), sliding_window, head_dim == value_dim,
+                                   length_data, start_data, batch);
   bool paged_rows = by_aten.empty();
   for (int64_t b = 0; b < batch && !paged_rows; ++b) paged_rows = !by_aten[b] && start_data[b + 1] > start_data[b];
   const int64_t padded_dim = round_up(head_dim, kLanes), padded_value_dim = round_up(value_dim, kLanes);
@@ -400,6 +404,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                   tables.stride(0), paged_rows ? query_f.const_data_ptr<float>() : nullptr,
                   paged_rows ? output_f.data_ptr<float>() : nullptr, keys, values};
   problem.bf16_queries = query.scalar_type() == at::kBFloat16;
+  problem.soft_cap = static_cast<float>(soft_cap);
   problem.computed_elsewhere = by_aten.empty() ? nullptr : by_aten.data();
   if (paged_rows) {
     dispatch_cache_type(key_cache.scalar_type(), [&](auto tag) {
@@ -466,7 +471,8 @@ TORCH_LIBRARY(octavo_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "SymInt sliding_window=-1, Tensor(c!)? key_scale_cache=None, Tensor(d!)? value_scale_cache=None) -> Tensor");
+      "SymInt sliding_window=-1, Tensor(c!)? key_scale_cache=None, Tensor(d!)? value_scale_cache=None, "
+      "float soft_cap=0.0) -> Tensor");
   m.def("linear_w16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int group_size, bool bf16_gemm=False) -> "
@@ -474,6 +480,7 @@ TORCH_LIBRARY(octavo_cpu, m) {
   m.def(
       "linear_w4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, Tensor? bias, int group_size, "
       "bool bf16_gemm=False) -> Tensor");
+  m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, bool bf16_gemm=False) -> Tensor");
   m.def("build_info() -> str", &octavo_cpu::build_info);
   m.def(
       "paged_attention_schedule(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, "

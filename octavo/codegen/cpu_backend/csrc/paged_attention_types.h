@@ -78,6 +78,7 @@ struct Problem {
   float* output;       // [T, Hq, padded_value_dim]
   Pool keys, values;
   bool bf16_queries = false;  // every query value is a bf16 number (the query tensor is bfloat16)
+  float soft_cap = 0.f;       // scores s become soft_cap * tanh(s / soft_cap) when positive
   const uint8_t* computed_elsewhere = nullptr;  // per sequence: 1 where another kernel attends it (no items)
   int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
 };

@@ -130,6 +130,7 @@ void query_group_partials(const Problem& p, int64_t n, const float* const* queri
   for (int q = 0; q < NQ; ++q) scores[q] = s.scores.data() + q * stride;
   score_group<CT, NV, NQ>(p, n, queries, scores, pull_values ? s.value_sources.data() : nullptr, s, offset);
   for (int q = 0; q < NQ; ++q) {
+    soft_cap_row(scores[q], n, p.soft_cap);
     const float m = row_max(scores[q], n);
     records[q][pvd] = m;
     records[q][pvd + 1] = exp_shift_sum(scores[q], n, m);

@@ -147,6 +147,7 @@ void prefill_tile_widened(const Problem& p, const int32_t* blocks, int64_t head,
     tile_scores(s.queries.data(), rows, s.key_tile.data(), p.head_dim, p.scale, s.scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* scores = s.scores.data() + r * kKeyTile;
+      soft_cap_row(scores, kKeyTile, p.soft_cap);  // before the mask: masked scores stay -inf
       const int64_t position = first + r / p.group;
       const int64_t lowest = p.window > 0 ? position - p.window + 1 : 0;
       for (int64_t j = 0; j < kKeyTile; ++j) {

@@ -258,6 +258,7 @@ inline void prefill_tile_bf16(const Problem& p, const int32_t* blocks, int64_t h
         default: bf16_score_keys<4>(queries, r16, pairs, t.key_rows.data(), n, p.scale, scores); break;
       }
     }
+    soft_cap_row(t.scores.data(), n * r16, p.soft_cap);  // scores [key][row], capped before the mask
     // Every key of the tile visible to every row: at or before the first row's position, inside the last
     // row's window.
     const bool visible = tile + n - 1 <= first && (p.window <= 0 || tile > last - p.window);

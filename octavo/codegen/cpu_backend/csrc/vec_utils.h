@@ -143,6 +143,40 @@ inline Vec load_widened(const int8_t* src) {
 #endif
 }
 
+// One vector of float8_e4m3fn values widened to float, in registers, exactly as c10's conversion: a normal value
+// (exponent field e > 0) moves its exponent and mantissa bits into float32's and rebiases e by 127 - 7; a
+// subnormal one (e = 0) is its mantissa times 2^-9; the sign bit is copied; both NaN patterns give NaN.
+inline Vec load_widened(const c10::Float8_e4m3fn* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F));
+  const __m512 sign = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x80)), 24));
+  const __m512 normal =
+      _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(1.0f / 512));
+  __m512 value = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8)), subnormal, normal);
+  value = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F)), value,
+                               _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return Vec(_mm512_or_ps(value, sign));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7F));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)), 24));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512));
+  __m256 value = _mm256_blendv_ps(subnormal, normal,
+                                  _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7))));
+  value = _mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                           _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F))));
+  return Vec(_mm256_or_ps(value, sign));
+#else
+  __at_align__ float values[kLanes];
+  widen(src, kLanes, values);
+  return Vec::loadu(values);
+#endif
+}
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool kHasTransposeSum = true;
 
@@ -326,6 +360,16 @@ inline float exp_shift_sum(float* row, int64_t n, float shift) {
     total = total + Vec::loadu(tail);
   }
   return hsum(total);
+}
+
+// row[i] = cap * tanh(row[i] / cap) for i < n (attention score soft-capping; a no-op for cap <= 0). Each value
+// runs through the same vector tanh whatever its lane, like exp_shift_sum.
+inline void soft_cap_row(float* row, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const Vec c(cap), inverse(1.f / cap);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) (c * (Vec::loadu(row + i) * inverse).tanh()).store(row + i);
+  if (i < n) (c * (Vec::loadu(row + i, n - i) * inverse).tanh()).store(row + i, n - i);
 }
 
 // Asks for the cache lines of bytes [0, n) of `data` (rows of a paged pool are scattered: the hardware
