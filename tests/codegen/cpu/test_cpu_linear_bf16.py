@@ -7,9 +7,11 @@ float32, rounded to bfloat16 once. A float32 sum of K + 1 terms in any order is 
 second factor covering the rounding's share of the summation error) plus 2^-120 (vdpbf16ps flushes denormal
 products and sums to zero; none arise at these magnitudes). The exact value is computed in float64.
 
-Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, widening FMAs elsewhere); above, AMX tiles on
-CPUs with AMX, ATen's linear elsewhere, and the GEMV's dot kernel over tiles of rows where
-OCTAVO_CPU_BF16_GEMM=dot asks for it (CPUs with AVX512_BF16).
+Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, widening FMAs elsewhere, and where
+OCTAVO_CPU_BF16_GEMV=widening asks for it in the AVX-512 build); above, AMX tiles on CPUs with AMX, ATen's
+linear elsewhere and where OCTAVO_CPU_BF16_GEMM=aten asks for it, and the GEMV's dot kernel over tiles of rows
+where OCTAVO_CPU_BF16_GEMM=dot does (CPUs with AVX512_BF16). tests/codegen/cpu/test_cpu_lower_isa_levels.py
+runs this file again on the AVX2 build.
 """
 
 from __future__ import annotations
@@ -34,21 +36,31 @@ def assert_within_definition(output: torch.Tensor, x: torch.Tensor, weight: torc
     assert (excess <= 0).all(), f"worst excess {excess.max().item():.3g} at {divmod(int(excess.argmax()), exact.shape[1])}"
 
 
-def gemm_choices() -> list[str]:
-    """OCTAVO_CPU_BF16_GEMM values with a kernel of their own here ("" is the CPU's default)."""
-    return ["", "aten"] + (["dot"] if cpu_target().avx512_bf16 else [])
+# (OCTAVO_CPU_BF16_GEMV, OCTAVO_CPU_BF16_GEMM, the rows whose kernel the pair chooses): the CPU's own choice
+# for every row count, then each kernel a variable can ask for where this build has it.
+def kernel_choices() -> list[tuple[str, str, list[int]]]:
+    target = cpu_target()
+    choices = [("", "", ROWS), ("", "aten", [rows for rows in ROWS if rows > 8])]
+    if target.avx512_bf16:
+        choices.append(("", "dot", [rows for rows in ROWS if rows > 8]))
+    if target.level == "avx512":  # the widening GEMV of AVX-512 CPUs without AVX512_BF16
+        choices.append(("widening", "", [rows for rows in ROWS if rows <= 8]))
+    return choices
 
 
-@pytest.mark.parametrize("choice", gemm_choices(), ids=lambda choice: choice or "default")
+@pytest.mark.parametrize("choice", kernel_choices(),
+                         ids=lambda choice: f"gemv={choice[0] or 'default'}-gemm={choice[1] or 'default'}")
 @pytest.mark.parametrize("shape", [(96, 64), (37, 100), (70, 1536)], ids=["aligned", "odd", "deep"])
 def test_matches_definition(shape, choice, cpu_kernels, monkeypatch):
     """N = 37 is no multiple of a block of columns, K = 100 none of a tile's depth, K = 1536 is split in parts."""
-    monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", choice)
+    gemv, gemm, row_counts = choice
+    monkeypatch.setenv("OCTAVO_CPU_BF16_GEMV", gemv)
+    monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", gemm)
     n, k = shape
     generator = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).to(torch.bfloat16)
-    for rows in ROWS if choice == "" else [row for row in ROWS if row > 8]:
+    for rows in row_counts:
         x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
         assert_within_definition(torch.ops.octavo_cpu.linear_bf16(x, weight, bias), x, weight, bias)
         assert_within_definition(torch.ops.octavo_cpu.linear_bf16(x, weight), x, weight, None)
@@ -94,13 +106,18 @@ def test_bad_arguments_name_what_is_wrong(cpu_kernels):
         torch.ops.octavo_cpu.linear_bf16(x, weight, torch.randn(4))
 
 
-def test_an_unknown_gemm_choice_is_refused(cpu_kernels, monkeypatch):
+def test_an_unknown_kernel_choice_is_refused(cpu_kernels, monkeypatch):
+    weight = torch.randn(4, 8).to(torch.bfloat16)
     monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", "fast")
     with pytest.raises(RuntimeError, match="OCTAVO_CPU_BF16_GEMM must be aten or dot"):
-        torch.ops.octavo_cpu.linear_bf16(torch.randn(9, 8).to(torch.bfloat16), torch.randn(4, 8).to(torch.bfloat16))
+        torch.ops.octavo_cpu.linear_bf16(torch.randn(9, 8).to(torch.bfloat16), weight)
+    if cpu_target().level == "avx512":  # the only build with a choice of GEMV
+        monkeypatch.setenv("OCTAVO_CPU_BF16_GEMV", "fast")
+        with pytest.raises(RuntimeError, match="OCTAVO_CPU_BF16_GEMV must be widening"):
+            torch.ops.octavo_cpu.linear_bf16(torch.randn(1, 8).to(torch.bfloat16), weight)
 
 
-def test_fake_kernel_describes_the_output(cpu_kernels):
+def test_fake_kernels_describe_the_output(cpu_kernels):
     weight = torch.randn(24, 40).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.octavo_cpu.linear_bf16.default, (torch.randn(3, 40).to(torch.bfloat16), weight),
                           test_utils=("test_schema", "test_faketensor"))

@@ -81,9 +81,16 @@ class PackedWeightCache {
     }
     Entry entry{weight.storage().getWeakStorageImpl(), weight.storage().unsafeGetStorageImpl(), weight.size(0),
                 weight.size(1), version, pack_bf16_weight(weight)};
+    ++packings_;
     at::Tensor packed = entry.packed;
     entries_.emplace(key, std::move(entry));
     return packed;
+  }
+
+  // Weights packed since the process started (a weight packed again after a change counts again).
+  int64_t packings() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return packings_;
   }
 
   static PackedWeightCache& instance() {
@@ -100,6 +107,7 @@ class PackedWeightCache {
   };
   std::mutex mutex_;
   std::unordered_map<const void*, Entry> entries_;
+  int64_t packings_ = 0;
 };
 
 }  // namespace octavo_cpu

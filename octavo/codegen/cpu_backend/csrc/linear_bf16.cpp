@@ -12,6 +12,8 @@
 // - more rows otherwise: ATen's own linear on the weight as given (oneDNN).
 // OCTAVO_CPU_BF16_GEMM=aten sends the rows above the GEMV's to ATen on every CPU, =dot to the dot kernel on CPUs
 // with AVX512_BF16 (AMX ones included), for comparisons; it is read at every call above the GEMV's rows.
+// OCTAVO_CPU_BF16_GEMV=widening makes the GEMV widen to float and FMA on CPUs with AVX512_BF16 too (the kernel
+// AVX-512 CPUs without it run), for comparisons and tests; it is read at every GEMV call of the AVX-512 build.
 #include "bf16_packing.h"
 #include "gemm_amx_bf16.h"
 #include "gemv_bf16.h"
@@ -45,6 +47,17 @@ Gemm gemm_kernel() {
 #endif
   return Gemm::kAten;
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the GEMV may use vdpbf16ps: the CPU has it and OCTAVO_CPU_BF16_GEMV does not ask for the widening one.
+bool gemv_dot_usable() {
+  const char* env = std::getenv("OCTAVO_CPU_BF16_GEMV");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "widening", "OCTAVO_CPU_BF16_GEMV must be widening (or unset), got ",
+              choice);
+  return choice.empty() && cpu_has_avx512_bf16();
+}
+#endif
 
 // x [M, K] with its columns zero-padded to `width` (x itself when K == width), in `dtype`.
 at::Tensor padded(const at::Tensor& x, int64_t width, at::ScalarType dtype) {
@@ -94,7 +107,7 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& weight, const 
     }
     return out.view(shape);
   }
-  if (cpu_has_avx512_bf16()) {
+  if (gemv_dot_usable()) {
     const at::Tensor words = padded(x, width, at::kBFloat16);
     gemv_bf16(M, p, static_cast<const uint32_t*>(words.const_data_ptr()), nullptr, bias_data,
               reinterpret_cast<uint16_t*>(out_data));
@@ -106,11 +119,16 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& weight, const 
   return out.view(shape);
 }
 
+int64_t linear_bf16_packings() { return PackedWeightCache::instance().packings(); }
+
 }  // namespace
 }  // namespace octavo_cpu
 
 TORCH_LIBRARY_FRAGMENT(octavo_cpu, m) {
   m.def("linear_bf16(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // How many weights linear_bf16 has packed in this process: a graph that reuses its packed copies packs each of
+  // its weights once, however many steps it runs.
+  m.def("linear_bf16_packings() -> int", &octavo_cpu::linear_bf16_packings);
 }
 
 TORCH_LIBRARY_IMPL(octavo_cpu, CPU, m) { m.impl("linear_bf16", &octavo_cpu::linear_bf16); }
