@@ -33,7 +33,8 @@ def assert_within_definition(output: torch.Tensor, x: torch.Tensor, weight: torc
     gamma = terms * 2.0 ** -24 / (1 - terms * 2.0 ** -24)
     bound = 2.0 ** -8 * exact.abs() + 2 * gamma * magnitude + 2.0 ** -120
     excess = (output.double() - exact).abs() - bound
-    assert (excess <= 0).all(), f"worst excess {excess.max().item():.3g} at {divmod(int(excess.argmax()), exact.shape[1])}"
+    worst = divmod(int(excess.argmax()), exact.shape[1])
+    assert (excess <= 0).all(), f"worst excess {excess.max().item():.3g} at {worst}"
 
 
 # (OCTAVO_CPU_BF16_GEMV, OCTAVO_CPU_BF16_GEMM, the rows whose kernel the pair chooses): the CPU's own choice
@@ -82,7 +83,7 @@ def test_the_packed_copy_follows_the_weight(cpu_kernels):
     x = torch.randn(4, 64, generator=generator).to(torch.bfloat16)
     many = torch.randn(40, 64, generator=generator).to(torch.bfloat16)
     memory = bytearray(96 * 64 * 2)
-    for values in range(3):
+    for _ in range(3):
         weight = torch.frombuffer(memory, dtype=torch.bfloat16).view(96, 64)  # a new tensor over the same bytes
         weight.copy_(torch.randn(96, 64, generator=generator))
         for rows in (x, many):
