@@ -1,6 +1,7 @@
 """octavo_cpu::linear_bf16 against oneDNN's bfloat16 linear on prepacked weights (what a compiled graph runs today).
 
-    python benchmarks/cpu_linear_bf16.py [--threads 1] [--rows 1,8,64,512] [--rounds 5]
+    PYTHONPATH=. python benchmarks/cpu_linear_bf16.py [--threads 1] [--rows 1,2,4,8,16,64,512] [--rounds 5]
+    PYTHONPATH=. python benchmarks/cpu_linear_bf16.py --threads 1 --rows 1 --rounds 3   # the decode check, ~10 s
 
 SmolLM2-135M's linears, 30 layers of q/k/v, o, gate/up and down plus the lm_head, each with its own weights
 (270 MB: a step reads them from memory, as a decode step does). For every row count, each linear is called
@@ -29,10 +30,10 @@ LAYERS = 30
 INDUCTOR_BATCH_HINT = 5
 
 
-def make_linears(seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(shape name, bf16 weight, oneDNN-packed weight) for every linear of the model."""
+def make_linears(layers: int = LAYERS, seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(shape name, bf16 weight, oneDNN-packed weight) for every linear of `layers` layers and the lm_head."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = [(name, shape) for _ in range(LAYERS) for name, shape in SHAPES.items()] + [("lm_head", LM_HEAD)]
+    shapes = [(name, shape) for _ in range(layers) for name, shape in SHAPES.items()] + [("lm_head", LM_HEAD)]
     linears = []
     for name, (rows, columns) in shapes:
         weight = (torch.randn(rows, columns, generator=generator) * 0.05).to(torch.bfloat16)
@@ -60,21 +61,24 @@ def time_rows(linears, rows: int, rounds: int) -> dict[str, tuple[float, float]]
             for name in [*SHAPES, "lm_head"]}
 
 
-def report(rows: int, medians: dict[str, tuple[float, float]]) -> None:
+def report(rows: int, medians: dict[str, tuple[float, float]], layers: int) -> None:
     compute_bound = rows > 8
     unit = "GFLOP/s" if compute_bound else "GB/s"
-    print(f"rows = {rows}  (per call: oneDNN / ours in us, {unit}, ours / oneDNN time)")
+    print(f"\nrows = {rows}: median time per call, the weight bytes read per second (GEMV) or the GEMM rate")
+    print(f"  {'shape':<8}{'N x K':>12}{'oneDNN us':>11}{'ours us':>10}{'oneDNN ' + unit:>15}{'ours ' + unit:>13}"
+          f"{'ours/oneDNN':>13}")
     step = [0.0, 0.0]
     for name, (onednn, ours) in medians.items():
         rows_w, columns = SHAPES.get(name, LM_HEAD)
-        count = 1 if name == "lm_head" else LAYERS
+        count = 1 if name == "lm_head" else layers
         step[0] += onednn * count
         step[1] += ours * count
         work = 2 * rows * rows_w * columns if compute_bound else 2 * rows_w * columns
         scale = 1e9
-        print(f"  {name:<8}{onednn * 1e6:>10.1f}{ours * 1e6:>10.1f}{work / onednn / scale:>9.1f}"
-              f"{work / ours / scale:>9.1f}{ours / onednn:>8.3f}")
-    print(f"  step    {step[0] * 1e3:>9.2f}ms{step[1] * 1e3:>8.2f}ms{'':>18}{step[1] / step[0]:>8.3f}")
+        print(f"  {name:<8}{f'{rows_w} x {columns}':>12}{onednn * 1e6:>11.1f}{ours * 1e6:>10.1f}"
+              f"{work / onednn / scale:>15.1f}{work / ours / scale:>13.1f}{ours / onednn:>13.3f}")
+    print(f"  {'step':<8}{f'{layers} layers':>12}{step[0] * 1e6:>11.0f}{step[1] * 1e6:>10.0f}{'':>28}"
+          f"{step[1] / step[0]:>13.3f}")
 
 
 def main() -> None:
@@ -82,14 +86,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,2,4,8,16,64,512")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="layers of linears (fewer fit in cache)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
     print(f"CPU kernels: {kernels.target.describe()}, {kernels.build_info}; {args.threads} threads")
-    linears = make_linears()
+    linears = make_linears(args.layers)
     with torch.inference_mode():
         for rows in (int(value) for value in args.rows.split(",")):
-            report(rows, time_rows(linears, rows, args.rounds))
+            report(rows, time_rows(linears, rows, args.rounds), args.layers)
 
 
 if __name__ == "__main__":

@@ -122,3 +122,46 @@ def test_fake_kernels_describe_the_output(cpu_kernels):
     weight = torch.randn(24, 40).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.octavo_cpu.linear_bf16.default, (torch.randn(3, 40).to(torch.bfloat16), weight),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _linear_graph() -> torch.fx.GraphModule:
+    """x -> four aten.linear: over a bound bf16 weight, the same with a bf16 bias, a bound float32 weight (x cast
+    to float32), and a weight that is a graph input; their outputs as a tuple."""
+    root = torch.nn.Module()
+    generator = torch.Generator().manual_seed(4)
+    root.weight = torch.nn.Buffer((torch.randn(24, 40, generator=generator) * 0.1).to(torch.bfloat16))
+    root.bias = torch.nn.Buffer(torch.randn(24, generator=generator).to(torch.bfloat16))
+    root.weight32 = torch.nn.Buffer(torch.randn(24, 40, generator=generator))
+    graph = torch.fx.Graph()
+    x, given = graph.placeholder("x"), graph.placeholder("given")
+    weight, bias, weight32 = (graph.get_attr(name) for name in ("weight", "bias", "weight32"))
+    linear = torch.ops.aten.linear.default
+    x32 = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.float32})
+    graph.output((graph.call_function(linear, (x, weight)), graph.call_function(linear, (x, weight, bias)),
+                  graph.call_function(linear, (x32, weight32)), graph.call_function(linear, (x, given))))
+    return torch.fx.GraphModule(root, graph)
+
+
+def test_cpu_backend_lowers_bound_bf16_linears_to_the_native_kernel(cpu_kernels, monkeypatch):
+    """The linears over a bound bfloat16 weight (and bias) call linear_bf16; a float32 weight, or one the graph
+    receives, stays ATen's. OCTAVO_CPU_BF16_LINEAR=aten keeps them all; the torch backend has no such kernel."""
+    from octavo.codegen.lowering import lower_graph
+
+    def linear_targets(backend: str) -> list:
+        lowered = lower_graph(_linear_graph(), backend, torch.bfloat16)
+        return [node.target for node in lowered.graph.nodes if node.op == "call_function" and "linear" in str(node)]
+
+    native, aten = torch.ops.octavo_cpu.linear_bf16.default, torch.ops.aten.linear.default
+    assert linear_targets("cpu") == [native, native, aten, aten]
+    assert linear_targets("torch") == [aten] * 4
+    graph_module = lower_graph(_linear_graph(), "cpu", torch.bfloat16)
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    given = torch.randn(24, 40).to(torch.bfloat16)
+    outputs = graph_module(x, given)
+    assert_within_definition(outputs[0], x, graph_module.weight, None)
+    assert_within_definition(outputs[1], x, graph_module.weight, graph_module.bias)
+    monkeypatch.setenv("OCTAVO_CPU_BF16_LINEAR", "aten")
+    assert linear_targets("cpu") == [aten] * 4
+    monkeypatch.setenv("OCTAVO_CPU_BF16_LINEAR", "fast")
+    with pytest.raises(ValueError, match="OCTAVO_CPU_BF16_LINEAR must be native or aten"):
+        lower_graph(_linear_graph(), "cpu", torch.bfloat16)
