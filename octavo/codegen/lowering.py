@@ -49,6 +49,15 @@ def native_quantized_kernels(backend: str) -> dict:
     return {}
 
 
+def native_bf16_linear(backend: str):
+    """`backend`'s own kernel for bfloat16 linears (aten.linear's arguments), or None where it has none."""
+    if backend == "cpu":
+        from octavo.codegen.cpu_backend.kernel_table import native_bf16_linear as cpu_kernel
+
+        return cpu_kernel()
+    return None
+
+
 def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
     """Replace each octavo op node's target by the backend's kernel op (in place); ATen ops stay as they are.
 
@@ -61,12 +70,16 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
     linears get their CPU kernel and packed weights
     (torch_backend.weight_packing; `activation_dtype` is the artifact's
     dtype, float32 when not given); the cpu backend's w8 and w4 linears
-    call its own kernels.
+    call its own kernels, and so do its bfloat16 linears
+    (weight_packing.route_bf16_linears).
     """
     if backend in ("torch", "cpu"):  # cpu packs like torch, except the layouts it has its own kernels for
-        from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears
+        from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears, route_bf16_linears
 
         pack_quantized_linears(graph_module, activation_dtype, native_kernels=native_quantized_kernels(backend))
+        bf16_kernel = native_bf16_linear(backend)
+        if bf16_kernel is not None:
+            route_bf16_linears(graph_module, bf16_kernel)
     kernels = backend_kernels(backend)
     hooks = prepare_hooks(backend)
     for node in graph_module.graph.nodes:

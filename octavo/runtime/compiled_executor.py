@@ -13,7 +13,9 @@ buckets and prefills of any length share it.
 The graph is frozen: weights are constants of the package, and Inductor
 prepacks every linear's weight for oneDNN's GEMMs (up to 1.7x faster than
 MKL on unpacked weights for prefill-sized GEMMs, measured on an AMD
-AVX-512 machine, where MKL takes a generic path). So the package holds a copy
+AVX-512 machine, where MKL takes a generic path); a bfloat16 model's linears on
+the cpu backend are octavo_cpu::linear_bf16 calls instead, over the plain weight,
+which the op packs for its own kernels at its first call. So the package holds a copy
 of the weights: it is a cache of this machine, never part of the artifact,
 and lives under ``cache_root()/executor``, keyed by the artifact's file
 checksums (weights included), the backend, the lowered graph's code (which

@@ -14,6 +14,12 @@ def native_quantized_kernels() -> dict:
     return {"w8": native.linear_w8.default, "w4": native.linear_w4.default, "fp8": native.linear_fp8.default}
 
 
+def native_bf16_linear():
+    """The C++ linear for bfloat16 models (aten.linear's arguments), which lowering points their linears at."""
+    load_cpu_kernels()
+    return torch.ops.octavo_cpu.linear_bf16.default
+
+
 def build_kernel_table() -> dict:
     """The torch backend's table with the ops that have a C++ kernel pointed at it."""
     load_cpu_kernels()

@@ -34,6 +34,12 @@ the vocabulary projection, for the reason above: reported as "native (bfloat16)"
 
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
+
+bfloat16 linears (``aten.linear`` over a bound bfloat16 weight) of a backend with a kernel for
+them (the cpu backend's octavo_cpu::linear_bf16: its own GEMV up to 8 rows, AMX tiles above where
+the CPU has them) are pointed at it by ``route_bf16_linears``; the weight stays the bound tensor (the
+kernel keeps one packed copy of it, made at its first call). ``OCTAVO_CPU_BF16_LINEAR=aten`` keeps
+ATen's linear (for comparisons; a compiled graph then prepacks them for oneDNN).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from octavo.ir.quantized_layout import dequantize_w4, dequantize_w8
 logger = logging.getLogger(__name__)
 
 FORCE_KERNEL_ENV = "OCTAVO_CPU_QUANT_KERNEL"
+BF16_LINEAR_ENV = "OCTAVO_CPU_BF16_LINEAR"
 octavo = torch.ops.octavo
 octavo_torch = torch.ops.octavo_torch
 
@@ -123,6 +130,35 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
                     str(activation_dtype).removeprefix("torch."),
                     ", ".join(f"{count} {choice}" for choice, count in choices.items()))
     return choices
+
+
+def route_bf16_linears(graph_module: GraphModule, kernel: OpOverload) -> int:
+    """Point every aten.linear whose weight is a bound bfloat16 tensor at `kernel` (same arguments); the count.
+
+    Nothing when OCTAVO_CPU_BF16_LINEAR is "aten". Any other value than "aten" or "native" is an error.
+    """
+    choice = os.environ.get(BF16_LINEAR_ENV, "native")
+    if choice not in ("native", "aten"):
+        raise ValueError(f"{BF16_LINEAR_ENV} must be native or aten, got {choice!r}")
+    if choice == "aten":
+        return 0
+    routed = 0
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default):
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if not _bound_bfloat16(graph_module, weight) or (bias is not None and not _bound_bfloat16(graph_module, bias)):
+            continue
+        node.target = kernel
+        routed += 1
+    if routed:
+        graph_module.recompile()
+        logger.info("bfloat16 linears on this CPU: %d to %s", routed, kernel)
+    return routed
+
+
+def _bound_bfloat16(graph_module: GraphModule, node: object) -> bool:
+    return (isinstance(node, Node) and node.op == "get_attr"
+            and getattr(graph_module, node.target).dtype == torch.bfloat16)
 
 
 def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
