@@ -38,8 +38,9 @@ comparisons). The choice is logged, and returned so the executor can report it.
 bfloat16 linears (``aten.linear`` over a bound bfloat16 weight) of a backend with a kernel for
 them (the cpu backend's octavo_cpu::linear_bf16: its own GEMV up to 8 rows, AMX tiles above where
 the CPU has them) are pointed at it by ``route_bf16_linears``; the weight stays the bound tensor (the
-kernel keeps one packed copy of it, made at its first call). ``OCTAVO_CPU_BF16_LINEAR=aten`` keeps
-ATen's linear (for comparisons; a compiled graph then prepacks them for oneDNN).
+kernel keeps one packed copy of it, made at its first call). By default only on CPUs with AMX tiles
+(``default_bf16_linear``); ``OCTAVO_CPU_BF16_LINEAR=native`` or ``aten`` decides on any CPU (``aten``:
+ATen's linear, which a compiled graph prepacks for oneDNN).
 """
 
 from __future__ import annotations
@@ -135,9 +136,10 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
 def route_bf16_linears(graph_module: GraphModule, kernel: OpOverload) -> int:
     """Point every aten.linear whose weight is a bound bfloat16 tensor at `kernel` (same arguments); the count.
 
-    Nothing when OCTAVO_CPU_BF16_LINEAR is "aten". Any other value than "aten" or "native" is an error.
+    Nothing when OCTAVO_CPU_BF16_LINEAR is "aten"; unset, `default_bf16_linear` decides by the CPU. Any other
+    value than "aten" or "native" is an error.
     """
-    choice = os.environ.get(BF16_LINEAR_ENV, "native")
+    choice = os.environ.get(BF16_LINEAR_ENV) or default_bf16_linear()
     if choice not in ("native", "aten"):
         raise ValueError(f"{BF16_LINEAR_ENV} must be native or aten, got {choice!r}")
     if choice == "aten":
@@ -154,6 +156,13 @@ def route_bf16_linears(graph_module: GraphModule, kernel: OpOverload) -> int:
         graph_module.recompile()
         logger.info("bfloat16 linears on this CPU: %d to %s", routed, kernel)
     return routed
+
+
+def default_bf16_linear() -> str:
+    """"native" on CPUs with AMX tiles, where the kernel's GEMV and its AMX GEMM both measured faster than
+    oneDNN's (benchmarks/RESULTS.md); "aten" elsewhere: there rows above the GEMV's would run ATen's linear on
+    an unpacked weight instead of the compiled graph's prepacked oneDNN one, which nobody has measured."""
+    return "native" if torch.cpu._is_amx_tile_supported() else "aten"
 
 
 def _bound_bfloat16(graph_module: GraphModule, node: object) -> bool:

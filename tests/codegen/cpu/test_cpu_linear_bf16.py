@@ -144,7 +144,8 @@ def _linear_graph() -> torch.fx.GraphModule:
 
 def test_cpu_backend_lowers_bound_bf16_linears_to_the_native_kernel(cpu_kernels, monkeypatch):
     """The linears over a bound bfloat16 weight (and bias) call linear_bf16; a float32 weight, or one the graph
-    receives, stays ATen's. OCTAVO_CPU_BF16_LINEAR=aten keeps them all; the torch backend has no such kernel."""
+    receives, stays ATen's (by default only where the CPU has AMX tiles). OCTAVO_CPU_BF16_LINEAR=aten keeps them
+    all; the torch backend has no such kernel."""
     from octavo.codegen.lowering import lower_graph
 
     def linear_targets(backend: str) -> list:
@@ -152,6 +153,9 @@ def test_cpu_backend_lowers_bound_bf16_linears_to_the_native_kernel(cpu_kernels,
         return [node.target for node in lowered.graph.nodes if node.op == "call_function" and "linear" in str(node)]
 
     native, aten = torch.ops.octavo_cpu.linear_bf16.default, torch.ops.aten.linear.default
+    default = linear_targets("cpu")
+    assert default == ([native, native, aten, aten] if torch.cpu._is_amx_tile_supported() else [aten] * 4)
+    monkeypatch.setenv("OCTAVO_CPU_BF16_LINEAR", "native")  # any CPU: the kernel has a path for each
     assert linear_targets("cpu") == [native, native, aten, aten]
     assert linear_targets("torch") == [aten] * 4
     graph_module = lower_graph(_linear_graph(), "cpu", torch.bfloat16)
