@@ -15,10 +15,10 @@ from octavo.codegen.torch_backend.activation import gelu_and_mul, silu_and_mul
 from octavo.codegen.torch_backend.attention import paged_attention
 from octavo.codegen.torch_backend.fused_pointwise import fused_pointwise
 from octavo.codegen.torch_backend.linear import linear_w16
+from octavo.codegen.torch_backend.lora import lora
 from octavo.codegen.torch_backend.moe import moe
 from octavo.codegen.torch_backend.norm import fused_add_rms_norm, rms_norm
 from octavo.codegen.torch_backend.rotary import rotary_embedding
-from octavo.ir.ops.lora import lora_reference
 from octavo.ir.quantized_layout import gather_rows_w4, gather_rows_w8
 
 octavo = torch.ops.octavo
@@ -42,8 +42,8 @@ PYTHON_KERNELS = {
     octavo.linear_w4.default: octavo.linear_w4.default,
     octavo.linear_fp8.default: octavo.linear_fp8.default,
     octavo.linear_w16.default: linear_w16,
-    # Segmented LoRA: one pair of GEMMs per adapter present in the batch (the definition is the kernel).
-    octavo.lora.default: lora_reference,
+    # LoRA: every slot at once while the slots are small beside the linear, else per adapter segment.
+    octavo.lora.default: lora,
 }
 
 KERNELS = kernel_op_table("octavo_torch", PYTHON_KERNELS)
