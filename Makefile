@@ -52,10 +52,10 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check octavo tests benchmarks examples scripts
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q $(COMPAT_TESTS)
+	$(COMPAT_PY) -m pytest -q --durations=15 $(COMPAT_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check octavo tests benchmarks examples scripts
