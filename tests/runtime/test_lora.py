@@ -63,6 +63,17 @@ def test_adapters_mixed_in_one_batch_equal_hf_with_each_merged(tiny_lora_artifac
     assert run(engine, requests) == [merged_outputs[request] for request in requests]
 
 
+def test_the_compiled_executor_serves_mixed_adapters_as_hf_merged(tiny_lora_artifact, lora_adapters, merged_outputs,
+                                                                   compiled_cache):
+    """The default executor (AOTInductor) calls the backend's LoRA kernel back from compiled code; a run-time
+    adapter fills a slot of the same package."""
+    engine = make_engine(tiny_lora_artifact, num_kv_blocks=64, executor="compiled",
+                         lora_modules=(f"c={lora_adapters['c']}",))
+    assert engine.executor_kind == "compiled"
+    requests = [(None, 0), ("a", 0), ("c", 1), ("b", 1), ("a", 1), ("c", 0)]
+    assert run(engine, requests) == [merged_outputs[request] for request in requests]
+
+
 def test_an_adapter_loaded_at_run_time(tiny_lora_artifact, lora_adapters, merged_outputs):
     engine = make_engine(tiny_lora_artifact, num_kv_blocks=64, lora_modules=(f"c={lora_adapters['c']}",))
     assert run(engine, [("c", 0), ("a", 1), ("c", 1)]) == [merged_outputs["c", 0], merged_outputs["a", 1],

@@ -166,3 +166,17 @@ def test_a_grammar_no_token_continues_aborts_only_its_own_sequence(engine):
     assert_pool_full(engine)
     assert finals["stuck"].outputs[0].finish_reason == "abort" and finals["stuck"].outputs[0].text == "a"
     assert finals["free"].outputs[0].finish_reason == "length" and len(finals["free"].outputs[0].token_ids) == 6
+
+
+def test_the_compiled_executor_decodes_under_the_grammar_as_the_eager_one(artifact, engine, compiled_cache):
+    """The default executor (AOTInductor) with the masks applied to its logits: every constraint kind, greedy,
+    the same tokens as the eager engine's (float32)."""
+    compiled = make_engine(artifact, num_kv_blocks=128, max_model_len=256, executor="compiled")
+    assert compiled.executor_kind == "compiled"
+    for spec in (JSON, StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICES)):
+        params = SamplingParams(temperature=0, max_tokens=64, structured=spec)
+        expected = [output.outputs[0].token_ids for output in generate(engine, PROMPTS, params)]
+        outputs = generate(compiled, PROMPTS, params)
+        assert [output.outputs[0].token_ids for output in outputs] == expected
+        for output in outputs:
+            check_text(spec, output.outputs[0].text)
