@@ -1,19 +1,22 @@
-"""Time the collectives of one tensor-parallel step: gloo all_reduce / all_gather between 2 local ranks.
+"""Time the collectives of one tensor-parallel step between 2 local ranks: shared memory against gloo.
 
     python benchmarks/all_reduce_step.py --hidden 576 --layers 30 --vocab 49152
 
-Each rank uses one thread. For each token count T it times the all_reduce of a
-float32 [1, T, hidden] tensor (one per o_proj and down_proj, and the
-embedding: 2 * layers + 1 per step); for N sampled rows, the all_gather of
-the [N, vocab / 2] logits shard, and the collectives of a decode step of N
-sequences (T = N).
-The minimum over repeats is reported (the machine is shared).
+Each rank uses one thread and calls the ops a compiled rank program calls
+(octavo_rank::all_reduce / all_gather on the logical group "tp"), first bound
+to gloo only, then also to the ranks' shared-memory group. For each token
+count T it times the all_reduce of a float32 [1, T, hidden] tensor (one per
+o_proj and down_proj, and the embedding: 2 * layers + 1 per step); for N
+sampled rows, the all_gather of the [N, vocab / 2] logits shard, and the
+collectives of a decode step of N sequences (T = N). The minimum over
+repeats is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import time
 
 import torch
@@ -35,26 +38,40 @@ def _time(operation, repeats: int = REPEATS) -> float:
     return best
 
 
-def _rank(rank: int, port: int, hidden: int, layers: int, vocab: int) -> None:
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    functional = torch.ops._c10d_functional
-    group = dist.group.WORLD.group_name
+def _time_step(rank: int, label: str, hidden: int, layers: int, vocab: int) -> None:
+    octavo_rank = torch.ops.octavo_rank
     reduce_s = {}
     for tokens in TOKENS:
         hidden_states = torch.randn(1, tokens, hidden)
-        reduce_s[tokens] = _time(lambda x=hidden_states: functional.wait_tensor(functional.all_reduce(x, "sum", group)))
+        reduce_s[tokens] = _time(lambda x=hidden_states: octavo_rank.all_reduce(x, "tp"))
         if rank == 0:
-            print(f"all_reduce [1, {tokens:3d}, {hidden}]: {reduce_s[tokens] * 1e3:.3f} ms; "
-                  f"x {2 * layers + 1} per step = {(2 * layers + 1) * reduce_s[tokens] * 1e3:.1f} ms", flush=True)
+            print(f"{label}: all_reduce [1, {tokens:3d}, {hidden}]: {reduce_s[tokens] * 1e3:.3f} ms; "
+                  f"x {2 * layers + 1} per step = {(2 * layers + 1) * reduce_s[tokens] * 1e3:.2f} ms", flush=True)
     for rows in SAMPLED_ROWS:
         logits = torch.randn(rows, vocab // 2)
-        gather_s = _time(lambda x=logits: functional.wait_tensor(functional.all_gather_into_tensor(x, 2, group)))
+        gather_s = _time(lambda x=logits: octavo_rank.all_gather(x, "tp", 2, 1))
         if rank == 0:
-            print(f"all_gather [{rows:3d}, {vocab // 2}] (logits of {rows} sampled rows): {gather_s * 1e3:.3f} ms; "
-                  f"decode step of {rows} sequences: {((2 * layers + 1) * reduce_s[rows] + gather_s) * 1e3:.1f} ms "
-                  "of collectives", flush=True)
+            print(f"{label}: all_gather [{rows:3d}, {vocab // 2}] (logits of {rows} sampled rows): "
+                  f"{gather_s * 1e3:.3f} ms; decode step of {rows} sequences: "
+                  f"{((2 * layers + 1) * reduce_s[rows] + gather_s) * 1e3:.2f} ms of collectives", flush=True)
+
+
+def _rank(rank: int, port: int, hidden: int, layers: int, vocab: int) -> None:
+    from octavo.runtime.distributed.rank_collectives import bind_groups, unbind_groups
+    from octavo.runtime.distributed.shm_groups import open_shared_memory_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    world = dist.group.WORLD
+    bind_groups({"tp": world})
+    _time_step(rank, "gloo", hidden, layers, vocab)
+    shared = open_shared_memory_group(world, datetime.timedelta(seconds=60))
+    if shared is None:
+        raise SystemExit("the ranks could not open a shared-memory group here (see the log)")
+    bind_groups({"tp": world}, {"tp": shared})
+    _time_step(rank, "shm ", hidden, layers, vocab)
+    unbind_groups()
     dist.destroy_process_group()
 
 
@@ -65,6 +82,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--port", type=int, default=29533)
     args = parser.parse_args()
+    os.environ.setdefault("OCTAVO_SHM_COLLECTIVES", "auto")
     mp.spawn(_rank, args=(args.port, args.hidden, args.layers, args.vocab), nprocs=2)
 
 

@@ -26,6 +26,7 @@ from octavo.ir.graph import find_nodes
 from octavo.runtime.distributed.devices import bind_device
 from octavo.runtime.distributed.rank_collectives import bind_groups, unbind_groups
 from octavo.runtime.distributed.rendezvous import Rendezvous
+from octavo.runtime.distributed.shm_groups import open_shared_memory_group
 from octavo.runtime.distributed.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ def init_groups(topology: Topology, rendezvous: Rendezvous, store: dist.Store, t
     tp_groups = [dist.new_group(topology.stage_ranks(stage), timeout=timeout) for stage in range(topology.pp_size)]
     stage = topology.position(rank).pp_rank
     groups = RankGroups(rank, topology, tp_groups[stage], store, timeout)
-    bind_groups(groups.logical_groups)
+    shared = {name: open_shared_memory_group(group, timeout) for name, group in groups.logical_groups.items()}
+    bind_groups(groups.logical_groups, {name: group for name, group in shared.items() if group is not None})
     return groups
 
 

@@ -25,6 +25,7 @@ HEARTBEAT_INTERVAL_S = 0.2
 _EXIT, _ERROR, _HEARTBEAT, _READY = "exit/", "error/", "heartbeat/", "ready/"
 # Error texts of a rank that merely lost a peer (its own failure is a consequence, not the cause).
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "exited during a shared-memory collective",
               "Socket closed", "Connection refused")
 
 
