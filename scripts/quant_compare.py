@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="reuse artifacts already in OUT")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
     names = args.variants.split(",")
     todo = [(args.out / name, parse_variant(name)) for name in names
             if not (args.reuse and (args.out / name / "manifest.json").is_file())]

@@ -133,3 +133,13 @@ def test_profile_splits_decode_and_prefill_steps(long_context_artifact):
     for line in model_lines:  # the graph's linears and its paged-attention op are found among the profiled ops
         shares = dict(re.findall(r"(linears|attention|other kernels|graph dispatch) [\d.]+ ms \(([\d.]+)%\)", line))
         assert float(shares["linears"]) > 0 and float(shares["attention"]) > 0, line
+
+
+def test_profile_of_two_ranks_names_the_collectives_and_exits_cleanly(long_context_artifact):
+    """With two tensor-parallel ranks each profiled step's split has its collectives, and the command exits 0 (a
+    step's send that began under the profiler and completed after it once corrupted the heap)."""
+    output = bench(str(long_context_artifact), "--profile", "--num-kv-blocks", "2700", "-tp", "2", "--threads", "1")
+    model_lines = [line for line in output.splitlines() if "model under torch.profiler" in line]
+    assert len(model_lines) == 3, output
+    for line in model_lines:
+        assert float(re.search(r"collectives ([\d.]+) ms", line).group(1)) > 0, line
