@@ -14,8 +14,9 @@ owns its cores. Otherwise, or with OCTAVO_SHM_COLLECTIVES=0, the group keeps
 gloo; OCTAVO_SHM_COLLECTIVES=force uses shared memory even on oversubscribed
 cores (a waiting rank sleeps after a few milliseconds of spinning).
 Agreement goes through gloo on the group itself, so every rank decides
-alike. The region's name is unlinked as soon as every rank has mapped it:
-nothing is left in /dev/shm, whatever way the ranks end.
+alike. The region's name is unlinked as soon as every rank has mapped it, at
+start-up: from then on nothing is left in /dev/shm, whatever way the ranks
+end (a crash within that exchange can leave the file).
 """
 
 from __future__ import annotations
