@@ -107,7 +107,6 @@ class GrammarCache:
             raise GrammarError(kind, f"the grammar engine rejected the {_describe(kind)}: "
                                      f"{xgrammar_message(error)}") from None
 
-
     def _check_spelled(self, choices: list[str]) -> None:
         """GrammarError naming the first choice no sequence of the vocabulary's tokens writes."""
         for index, choice in enumerate(choices):

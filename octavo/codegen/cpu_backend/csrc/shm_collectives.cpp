@@ -152,9 +152,11 @@ void wait_for_every_rank(const Group& group, uint64_t sequence_number) {
   }
 }
 
-// Publish this rank's chunk (already in its slot) and wait for everyone's; returns the sequence number.
-uint64_t exchange(Group& group) {
-  const uint64_t sequence_number = group.sequence;
+// Copy this rank's chunk into its slot of the next sequence's buffer, publish it, wait for every rank's; returns
+// the sequence number, whose buffer then holds every rank's chunk.
+uint64_t exchange_chunk(Group& group, const void* chunk, int64_t bytes) {
+  const uint64_t sequence_number = ++group.sequence;
+  std::memcpy(group.slot(sequence_number, group.rank), chunk, bytes);
   group.header()->arrived[group.rank].sequence.store(sequence_number, std::memory_order_release);
   wait_for_every_rank(group, sequence_number);
   return sequence_number;
@@ -186,9 +188,7 @@ void all_reduce_into(Group& group, const T* input, T* out, int64_t numel) {
   std::vector<float> totals;
   for (int64_t offset = 0; offset < numel; offset += chunk) {
     const int64_t count = std::min(chunk, numel - offset);
-    ++group.sequence;
-    std::memcpy(group.slot(group.sequence, group.rank), input + offset, count * sizeof(T));
-    const uint64_t sequence_number = exchange(group);
+    const uint64_t sequence_number = exchange_chunk(group, input + offset, count * sizeof(T));
     sum_chunk<T>(group, sequence_number, count, out + offset, totals);
   }
 }
@@ -299,9 +299,7 @@ at::Tensor shm_all_gather(const at::Tensor& x, int64_t handle) {
   char* destination = static_cast<char*>(out.mutable_data_ptr());
   for (int64_t offset = 0; offset < total; offset += group.slot_bytes) {
     const int64_t count = std::min(group.slot_bytes, total - offset);
-    ++group.sequence;
-    std::memcpy(group.slot(group.sequence, group.rank), source + offset, count);
-    const uint64_t sequence_number = exchange(group);
+    const uint64_t sequence_number = exchange_chunk(group, source + offset, count);
     for (int64_t rank = 0; rank < group.world; ++rank) {
       std::memcpy(destination + rank * total + offset, group.slot(sequence_number, rank), count);
     }
