@@ -17,7 +17,8 @@ of the exact one (gamma_n = n u / (1 - n u)); the order of the sum does not matt
 A result rounded to bfloat16 / float16 (x of that dtype) adds one rounding of the output: half a unit in its
 last place, 2^-8 / 2^-11 relative. With bf16_gemm (rows above the GEMV's 8), x and the weight are each rounded
 to bfloat16 (unit roundoff v = 2^-9, rounding to nearest) before the float32 sum, so each product is within
-(1 + v)^2 - 1 of its exact value, and the bfloat16 result rounds once more: the bound grows by those terms.
+(1 + v)^2 - 1 of its exact value, and oneDNN's bfloat16 result rounds once more (the AMX kernel's float32 sum
+does not): the bound grows by those terms.
 """
 
 from __future__ import annotations
@@ -152,23 +153,56 @@ def test_fp8_widening_is_exact_for_every_bit_pattern(cpu_kernels):
     assert torch.ops.octavo_cpu.linear_fp8(torch.ones(1, 40), nan, torch.ones(1), None).isnan().all()
 
 
-@pytest.mark.parametrize("rows", [9, 64])
-def test_bf16_gemm_within_its_rounding(rows, cpu_kernels):
-    """bf16_gemm rounds x and the tiles to bfloat16 above 8 rows (bias in float32); 300 rows span three tiles."""
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 200, generator=generator)
-    bias = torch.randn(300, generator=generator)
-    qweight, scales = w8_weight(300, 200, 32, torch.float16, generator)
-    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 32, True)
-    assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), bias, bf16_gemm=True)
-    packed, scales, offsets = w4_weight(300, 200, 64, torch.float16, generator)
-    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 64, True)
-    assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, 64), None, bf16_gemm=True)
-    assert not torch.equal(output, torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 64)), \
-        "the bfloat16 GEMM rounds differently from the float32 one"
-    qweight, scales = fp8_weight(300, 200, generator)
-    output = torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, bias, True)
-    assert_within_rounding(output, x, dequantize_fp8(qweight, scales), bias, bf16_gemm=True)
+def bf16_gemm_choices(cpu_kernels) -> list[str]:
+    """OCTAVO_CPU_QUANTIZED_GEMM values whose kernels differ here: the CPU's choice, and oneDNN where that is AMX."""
+    return ["", "onednn"] if cpu_kernels.target.level == "avx512" and cpu_kernels.target.amx else [""]
+
+
+# (rows, N, K, w4 group size): rows of x from one partial tile to three blocks of 32; N no multiple of a block of
+# 32 weight rows; K no multiple of a tile's 32 and split into parts (1536); w4 groups that start on odd columns.
+GEMM_SHAPES = [(9, 300, 200, 64), (33, 37, 100, 9), (64, 96, 1536, 32), (70, 64, 576, 64)]
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "group_size"), GEMM_SHAPES, ids=lambda value: str(value))
+def test_bf16_gemm_within_its_rounding(rows, n, k, group_size, cpu_kernels, monkeypatch):
+    """bf16_gemm rounds x and the dequantized weights to bfloat16 above 8 rows (bias in float32), on AMX tiles where
+    the CPU has them and oneDNN's GEMM where not or where OCTAVO_CPU_QUANTIZED_GEMM=onednn asks for it."""
+    for choice in bf16_gemm_choices(cpu_kernels):
+        monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", choice)
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, k, generator=generator)
+        bias = torch.randn(n, generator=generator)
+        qweight, scales = w8_weight(n, k, 32, torch.float16, generator)
+        output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 32, True)
+        assert_within_rounding(output, x, dequantize_w8(qweight, scales, 32), bias, bf16_gemm=True)
+        packed, scales, offsets = w4_weight(n, k, group_size, torch.float16, generator)
+        output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, group_size, True)
+        assert_within_rounding(output, x, dequantize_w4(packed, scales, offsets, group_size), None, bf16_gemm=True)
+        assert not torch.equal(output, torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, group_size)), \
+            "the bfloat16 GEMM rounds differently from the float32 one"
+        qweight, scales = fp8_weight(n, k, generator)
+        output = torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, bias, True)
+        assert_within_rounding(output, x, dequantize_fp8(qweight, scales), bias, bf16_gemm=True)
+
+
+def test_amx_gemm_keeps_float32_sums_where_the_cpu_has_amx(cpu_kernels, monkeypatch):
+    """On AMX CPUs (AVX-512 build) the tile GEMM runs by default: its float32 sums are not rounded to bfloat16, so
+    they differ from oneDNN's bfloat16 results; elsewhere the variable changes nothing. A bad value is refused."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 128, generator=generator)
+    qweight, scales = w8_weight(64, 128, 128, torch.float32, generator)
+    results = {}
+    for choice in ("", "onednn"):
+        monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", choice)
+        results[choice] = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 128, True)
+    onednn_is_bfloat16 = torch.equal(results["onednn"], results["onednn"].bfloat16().float())
+    assert onednn_is_bfloat16
+    amx = len(bf16_gemm_choices(cpu_kernels)) == 2
+    assert torch.equal(results[""], results["onednn"]) != amx
+    assert torch.equal(results[""], results[""].bfloat16().float()) != amx
+    monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "mkl")
+    with pytest.raises(RuntimeError, match="OCTAVO_CPU_QUANTIZED_GEMM must be onednn"):
+        torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 128, True)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

@@ -110,17 +110,23 @@ inline void store_sums(const float* sums, int64_t rows, int64_t columns, const f
   }
 }
 
-// out [M, N] = x [M, lda] @ W.T (+ bias), x's columns padded with zeros to 2 * w.pairs (lda >= that).
-inline void gemm_amx_bf16(const PackedBf16& w, const float* bias, const c10::BFloat16* x, int64_t lda, int64_t M,
-                          c10::BFloat16* out) {
-  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
-  // The last tile of x, zero-padded to 32 rows, when M is no multiple of 32 (A tiles read 16 whole rows).
+// The last tile of x [M, lda] zero-padded to 32 rows when M is no multiple of 32 (A tiles read 16 whole rows), else
+// empty.
+inline std::vector<c10::BFloat16> amx_last_tile(const c10::BFloat16* x, int64_t lda, int64_t M) {
   std::vector<c10::BFloat16> last_tile;
   const int64_t tail = M % kAmxRows;
   if (tail != 0) {
     last_tile.assign(kAmxRows * lda, c10::BFloat16(0.f));
     std::memcpy(last_tile.data(), x + (M - tail) * lda, tail * lda * sizeof(c10::BFloat16));
   }
+  return last_tile;
+}
+
+// out [M, N] = x [M, lda] @ W.T (+ bias), x's columns padded with zeros to 2 * w.pairs (lda >= that).
+inline void gemm_amx_bf16(const PackedBf16& w, const float* bias, const c10::BFloat16* x, int64_t lda, int64_t M,
+                          c10::BFloat16* out) {
+  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
+  const std::vector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
   const int64_t chunk = amx_chunk_pairs(w.pairs);
   at::parallel_for(0, w.blocks, 1, [&](int64_t begin, int64_t end) {
     const AmxConfig config;

@@ -116,6 +116,25 @@ inline void vector_span(int64_t begin, int64_t end, int64_t& vector_begin, int64
   vector_end = vector_begin + (end - vector_begin) / kLanes * kLanes;
 }
 
+// One group of a weight row as the dequantizing loops walk it: its columns [first, last), the vectors' span
+// (vector_span), and its scale and offset as floats and broadcast.
+struct RowGroup {
+  int64_t first, last, vector_begin, vector_end;
+  float s, o;
+  Vec sv, ov;
+};
+
+// Calls body(RowGroup) for every group of row n of W, in column order.
+template <typename W, typename Body>
+inline void for_each_group(const W& w, int64_t n, const Body& body) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    RowGroup group{g * w.group_size, std::min((g + 1) * w.group_size, w.K), 0, 0, w.scale(n, g), w.offset(n, g),
+                   Vec(w.scale(n, g)), Vec(w.offset(n, g))};
+    vector_span<W>(group.first, group.last, group.vector_begin, group.vector_end);
+    body(group);
+  }
+}
+
 // Accumulates rows [n, n + R) of W against the M rows of x over columns [first, last) of one group (any bounds):
 // whole vectors into acc, the columns no vector covers (an odd start of a w4 group, the end) into tail.
 template <int M, int R, typename W>

@@ -4,8 +4,12 @@
 // dtype is widened first and the result rounded to it once at the end.
 //
 // Up to kGemvRows rows of x: a streaming kernel that reads every weight once and keeps the rows of x in cache
-// (memory-bound by design). More rows: a tile of output columns at a time is dequantized into a per-thread
-// float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+// (memory-bound by design). More rows with bf16_gemm on CPUs with AMX-BF16 (AVX-512 build): the AMX GEMM of
+// gemm_amx_dequantizing.h, which dequantizes 32 weight rows at a time into packed bfloat16 tiles (on SmolLM2's
+// shapes, 2 threads: 0.45x oneDNN's time at 16 and 64 rows, 0.66x at 512). More rows otherwise: a tile of output
+// columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
+// OCTAVO_CPU_QUANTIZED_GEMM=onednn sends the AMX CPUs' rows to the BLAS GEMM too, for comparisons and tests (read
+// at every call above the GEMV's rows).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
 // - w4 and fp8 (every path) and the w8 GEMM: each weight dequantized exactly as the layout defines it (w8 and fp8:
@@ -14,9 +18,11 @@
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
-// bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized tile rounded to bfloat16
-// (relative error 2^-9 each), products summed in float32 by oneDNN, the result rounded to bfloat16 once more and
-// widened, the bias added in float32. Only the rows above kGemvRows are affected; the GEMV is float32 always.
+// bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized weights rounded to bfloat16
+// (relative error 2^-9 each), products summed in float32 (AMX tiles or oneDNN), the bias added in float32; oneDNN's
+// result is rounded to bfloat16 once more and widened, the AMX one stays float32. Only the rows above kGemvRows
+// are affected; the GEMV is float32 always.
+#include "gemm_amx_dequantizing.h"
 #include "gemv_dequantizing.h"
 #include "vec_utils.h"
 
@@ -26,9 +32,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace octavo_cpu {
@@ -39,16 +48,11 @@ constexpr int64_t kTileColumns = 128;      // output columns (weight rows) dequa
 // dst[0:K] = W[n, :] in float32, the same values the GEMV computes in registers.
 template <typename W>
 void dequantize_row(const W& w, int64_t n, float* dst) {
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const int64_t first = g * w.group_size, last = std::min(first + w.group_size, w.K);
-    const float s = w.scale(n, g), o = w.offset(n, g);
-    const Vec sv(s), ov(o);
-    int64_t vector_begin, vector_end;
-    vector_span<W>(first, last, vector_begin, vector_end);
-    for (int64_t k = first; k < vector_begin; ++k) dst[k] = w.value(n, k, s, o);
-    for (int64_t k = vector_begin; k < vector_end; k += kLanes) w.values(n, k, sv, ov).store(dst + k);
-    for (int64_t k = vector_end; k < last; ++k) dst[k] = w.value(n, k, s, o);
-  }
+  for_each_group(w, n, [&](const RowGroup& g) {
+    for (int64_t k = g.first; k < g.vector_begin; ++k) dst[k] = w.value(n, k, g.s, g.o);
+    for (int64_t k = g.vector_begin; k < g.vector_end; k += kLanes) w.values(n, k, g.sv, g.ov).store(dst + k);
+    for (int64_t k = g.vector_end; k < g.last; ++k) dst[k] = w.value(n, k, g.s, g.o);
+  });
 }
 
 // out = x @ W.T (+ bias): each thread dequantizes kTileColumns weight rows at a time into its own buffer and
@@ -127,15 +131,41 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, int64_t N, int6
   return out.to(input.scalar_type()).view(shape);
 }
 
+// Whether a bf16_gemm above the GEMV's rows runs on AMX tiles: the build and the CPU have them (and AVX512_BF16,
+// which rounds the dequantized weights to bfloat16 in registers) and
+// OCTAVO_CPU_QUANTIZED_GEMM does not ask for oneDNN.
+bool amx_gemm_chosen() {
+  const char* env = std::getenv("OCTAVO_CPU_QUANTIZED_GEMM");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "onednn", "OCTAVO_CPU_QUANTIZED_GEMM must be onednn (or unset), got ",
+              choice);
+#if defined(CPU_CAPABILITY_AVX512)
+  return choice.empty() && amx_bf16_usable() && cpu_has_avx512_bf16();  // every AMX-BF16 CPU so far has both
+#else
+  return false;
+#endif
+}
+
 template <typename W>
 void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
              bool bf16_gemm) {
   const int64_t M = x.size(0);
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   if (M <= kGemvRows) {
-    gemv_for(M, w, x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr, out.data_ptr<float>());
-  } else {
-    tiled_gemm(w, x, bias, out, bf16_gemm);
+    gemv_for(M, w, x.const_data_ptr<float>(), bias_data, out.data_ptr<float>());
+    return;
   }
+  if (bf16_gemm && amx_gemm_chosen()) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // x in bfloat16 (nearest even), its K padded with zeros to whole tiles.
+    const int64_t lda = 2 * packed_pairs(w.K);
+    at::Tensor a = lda == w.K ? x.to(at::kBFloat16) : at::zeros({M, lda}, x.options().dtype(at::kBFloat16));
+    if (lda != w.K) a.narrow(1, 0, w.K).copy_(x);
+    gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias_data, out.data_ptr<float>());
+    return;
+#endif
+  }
+  tiled_gemm(w, x, bias, out, bf16_gemm);
 }
 
 at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,

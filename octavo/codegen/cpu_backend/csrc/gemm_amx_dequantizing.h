@@ -1,0 +1,146 @@
+// The AMX GEMM of the quantized linears (linear_quantized.cpp; AVX-512 build, CPUs with AMX-BF16) for the rows of x
+// above the GEMV's: out [M, N] = x [M, K] @ W.T (+ bias) in float32, W dequantized inside the kernel.
+//
+// Arithmetic: each weight dequantized exactly as its layout defines it (float32, as the GEMV does), then rounded to
+// bfloat16 (nearest even; vcvtne2ps2bf16, which the whole vectors take, also makes a value below 2^-126 in
+// magnitude zero); x rounded to bfloat16 by the caller;
+// TDPBF16PS multiplies them exactly and sums in float32 in the tiles' order; the bias is added in float32. The
+// result is not rounded to bfloat16.
+//
+// Each thread takes blocks of 32 weight rows (output columns): it dequantizes a block's rows to bfloat16, transposes
+// them into the packed layout of bf16_packing.h (pairs of K for the block's 32 columns: the B operand) in its own
+// buffer, and runs every 32 rows of x through it exactly as gemm_amx_bf16 does with a bfloat16 model's packed
+// weights (the block's slice in L1, x's tiles streamed past it). A weight is dequantized once per call and never
+// stored dequantized beyond one block per thread.
+#pragma once
+
+#include "gemm_amx_bf16.h"
+#include "gemv_dequantizing.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace octavo_cpu {
+
+constexpr int64_t kAmxTileRows = 16;
+
+// The 16 x 16 words at rows[0..15] transposed: out[c] holds word c of every row, row r in lane r.
+inline void transpose_16x16(const __m512i (&rows)[16], __m512i (&out)[16]) {
+  __m512i pairs[16], quads[16];
+  for (int i = 0; i < 8; ++i) {  // within each 128-bit lane L: words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi)
+    pairs[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // quads[4 i + j], lane L: word 4L + j of rows 4i .. 4i + 3
+    quads[4 * i] = _mm512_unpacklo_epi64(pairs[4 * i], pairs[4 * i + 2]);
+    quads[4 * i + 1] = _mm512_unpackhi_epi64(pairs[4 * i], pairs[4 * i + 2]);
+    quads[4 * i + 2] = _mm512_unpacklo_epi64(pairs[4 * i + 1], pairs[4 * i + 3]);
+    quads[4 * i + 3] = _mm512_unpackhi_epi64(pairs[4 * i + 1], pairs[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // lane L of quads[j], quads[4 + j], quads[8 + j], quads[12 + j] -> out[4L + j]
+    const __m512i even_ab = _mm512_shuffle_i32x4(quads[j], quads[4 + j], 0x88);
+    const __m512i odd_ab = _mm512_shuffle_i32x4(quads[j], quads[4 + j], 0xDD);
+    const __m512i even_cd = _mm512_shuffle_i32x4(quads[8 + j], quads[12 + j], 0x88);
+    const __m512i odd_cd = _mm512_shuffle_i32x4(quads[8 + j], quads[12 + j], 0xDD);
+    out[j] = _mm512_shuffle_i32x4(even_ab, even_cd, 0x88);
+    out[8 + j] = _mm512_shuffle_i32x4(even_ab, even_cd, 0xDD);
+    out[4 + j] = _mm512_shuffle_i32x4(odd_ab, odd_cd, 0x88);
+    out[12 + j] = _mm512_shuffle_i32x4(odd_ab, odd_cd, 0xDD);
+  }
+}
+
+// The 32 floats of `low` then `high` rounded to bfloat16 (nearest even; below 2^-126 in magnitude: zero).
+__attribute__((target("avx512bf16"))) inline void store_bf16(__m512 low, __m512 high, c10::BFloat16* dst) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+}
+
+// dst[0:K] = W[n, :] dequantized as the layout defines it (float32), rounded to bfloat16: whole pairs of vectors
+// in registers (store_bf16), the rest of each group through `scratch` (K floats; ATen's rounding, nearest even).
+template <typename W>
+inline void dequantize_row_bf16(const W& w, int64_t n, c10::BFloat16* dst, float* scratch) {
+  for_each_group(w, n, [&](const RowGroup& g) {
+    int64_t k = g.vector_begin;
+    for (; k + 2 * kLanes <= g.vector_end; k += 2 * kLanes) {
+      store_bf16(w.values(n, k, g.sv, g.ov), w.values(n, k + kLanes, g.sv, g.ov), dst + k);
+    }
+    // The rest: at most one column before the vectors (a w4 group's odd start), one vector and the last columns.
+    for (int64_t j = g.first; j < g.vector_begin; ++j) scratch[j - g.first] = w.value(n, j, g.s, g.o);
+    at::vec::convert(scratch, dst + g.first, g.vector_begin - g.first);
+    for (int64_t j = k; j < g.vector_end; j += kLanes) w.values(n, j, g.sv, g.ov).store(scratch + (j - k));
+    for (int64_t j = g.vector_end; j < g.last; ++j) scratch[j - k] = w.value(n, j, g.s, g.o);
+    at::vec::convert(scratch, dst + k, g.last - k);
+  });
+}
+
+// words [pairs][32] = the block's 32 bfloat16 rows (ld `lda`, K padded with zeros) in the packed layout: word (p, c)
+// holds row c's values 2p (low half) and 2p + 1 (high half), which on a little-endian CPU is row c's word p.
+inline void transpose_block(const c10::BFloat16* rows, int64_t lda, int64_t pairs, uint32_t* words) {
+  for (int64_t half = 0; half < 2; ++half) {
+    const auto* source = reinterpret_cast<const uint32_t*>(rows + half * kAmxTileRows * lda);
+    for (int64_t p = 0; p < pairs; p += kAmxTileRows) {
+      __m512i in[16], out[16];
+      for (int r = 0; r < 16; ++r) in[r] = _mm512_loadu_si512(source + r * (lda / 2) + p);
+      transpose_16x16(in, out);
+      for (int j = 0; j < 16; ++j) {
+        _mm512_storeu_si512(words + (p + j) * kBf16BlockColumns + half * kAmxTileRows, out[j]);
+      }
+    }
+  }
+}
+
+// out[r, n0 + c] = sums[r * 32 + c] + bias[n0 + c] for r < rows, c < columns.
+inline void store_float_sums(const float* sums, int64_t rows, int64_t columns, const float* bias, int64_t n0,
+                             float* out, int64_t N) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < columns; c += kLanes) {
+      const int64_t count = std::min(kLanes, columns - c);
+      Vec value = Vec::loadu(sums + r * kBf16BlockColumns + c, count);
+      if (bias) value = value + Vec::loadu(bias + n0 + c, count);
+      value.store(out + r * N + n0 + c, count);
+    }
+  }
+}
+
+// out [M, N] (float32) = x [M, lda] (bfloat16, K padded with zeros to lda = 2 * packed_pairs(K)) @ W.T (+ bias).
+template <typename W>
+void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias,
+                           float* out) {
+  const int64_t N = w.N, K = w.K, pairs = packed_pairs(K);
+  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
+  const std::vector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
+  const int64_t blocks = (N + kBf16BlockColumns - 1) / kBf16BlockColumns;
+  const int64_t chunk = amx_chunk_pairs(pairs);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const AmxConfig config;
+    amx_configure(config);
+    std::vector<c10::BFloat16> rows(kBf16BlockColumns * lda, c10::BFloat16(0.f));  // K's padding stays zero
+    std::vector<uint32_t> words(pairs * kBf16BlockColumns);
+    std::vector<float> scratch(K);
+    std::vector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
+      for (int64_t i = 0; i < columns; ++i) dequantize_row_bf16(w, n0 + i, rows.data() + i * lda, scratch.data());
+      transpose_block(rows.data(), lda, pairs, words.data());
+      for (int64_t first = 0; first < pairs; first += chunk) {
+        const int64_t count = std::min(chunk, pairs - first);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const c10::BFloat16* a = t * kAmxRows + kAmxRows > M ? last_tile.data() : x + t * kAmxRows * lda;
+          amx_block(a + 2 * first, lda, words.data() + first * kBf16BlockColumns, count,
+                    sums.data() + t * kAmxRows * kBf16BlockColumns, first > 0);
+        }
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        store_float_sums(sums.data() + t * kAmxRows * kBf16BlockColumns, std::min(kAmxRows, M - t * kAmxRows),
+                         columns, bias, n0, out + t * kAmxRows * N, N);
+      }
+    }
+    amx_release();
+  });
+}
+
+}  // namespace octavo_cpu
+#endif
