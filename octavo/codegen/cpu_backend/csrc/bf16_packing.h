@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -58,6 +59,14 @@ inline at::Tensor pack_bf16_weight(const at::Tensor& weight) {
     }
   });
   return packed;
+}
+
+// x [M, K] with its columns zero-padded to `width` (x itself when K == width), in `dtype`.
+inline at::Tensor padded(const at::Tensor& x, int64_t width, at::ScalarType dtype) {
+  if (x.size(1) == width) return x.scalar_type() == dtype ? x : x.to(dtype);
+  at::Tensor wide = at::zeros({x.size(0), width}, x.options().dtype(dtype));
+  wide.narrow(1, 0, x.size(1)).copy_(x);
+  return wide;
 }
 
 // The packed copy of `weight` (a contiguous bfloat16 [N, K]), packed at the first call for it.

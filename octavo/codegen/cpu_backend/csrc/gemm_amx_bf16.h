@@ -93,9 +93,11 @@ inline int64_t amx_chunk_pairs(int64_t pairs) {
   return round_up((pairs + chunks - 1) / chunks, 16);
 }
 
-// out[r, n0 + c] = bf16(sums[r * 32 + c] + bias[n0 + c]) for r < rows, c < columns.
-inline void store_sums(const float* sums, int64_t rows, int64_t columns, const float* bias, int64_t n0,
-                       c10::BFloat16* out, int64_t N) {
+// out[r, n0 + c] = T(sums[r * 32 + c] + bias[n0 + c]) for r < rows, c < columns (T bfloat16: rounded to nearest
+// even; T float: as summed).
+template <typename T>
+inline void store_sums(const float* sums, int64_t rows, int64_t columns, const float* bias, int64_t n0, T* out,
+                       int64_t N) {
   __at_align__ float row[kBf16BlockColumns];
   for (int64_t r = 0; r < rows; ++r) {
     const float* source = sums + r * kBf16BlockColumns;

@@ -92,19 +92,6 @@ inline void transpose_block(const c10::BFloat16* rows, int64_t lda, int64_t pair
   }
 }
 
-// out[r, n0 + c] = sums[r * 32 + c] + bias[n0 + c] for r < rows, c < columns.
-inline void store_float_sums(const float* sums, int64_t rows, int64_t columns, const float* bias, int64_t n0,
-                             float* out, int64_t N) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < columns; c += kLanes) {
-      const int64_t count = std::min(kLanes, columns - c);
-      Vec value = Vec::loadu(sums + r * kBf16BlockColumns + c, count);
-      if (bias) value = value + Vec::loadu(bias + n0 + c, count);
-      value.store(out + r * N + n0 + c, count);
-    }
-  }
-}
-
 // out [M, N] (float32) = x [M, lda] (bfloat16, K padded with zeros to lda = 2 * packed_pairs(K)) @ W.T (+ bias).
 template <typename W>
 void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias,
@@ -134,8 +121,8 @@ void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int6
         }
       }
       for (int64_t t = 0; t < tiles; ++t) {
-        store_float_sums(sums.data() + t * kAmxRows * kBf16BlockColumns, std::min(kAmxRows, M - t * kAmxRows),
-                         columns, bias, n0, out + t * kAmxRows * N, N);
+        store_sums(sums.data() + t * kAmxRows * kBf16BlockColumns, std::min(kAmxRows, M - t * kAmxRows), columns,
+                   bias, n0, out + t * kAmxRows * N, N);
       }
     }
     amx_release();

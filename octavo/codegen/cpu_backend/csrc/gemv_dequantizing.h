@@ -128,8 +128,8 @@ struct RowGroup {
 template <typename W, typename Body>
 inline void for_each_group(const W& w, int64_t n, const Body& body) {
   for (int64_t g = 0; g < w.groups; ++g) {
-    RowGroup group{g * w.group_size, std::min((g + 1) * w.group_size, w.K), 0, 0, w.scale(n, g), w.offset(n, g),
-                   Vec(w.scale(n, g)), Vec(w.offset(n, g))};
+    const float s = w.scale(n, g), o = w.offset(n, g);
+    RowGroup group{g * w.group_size, std::min((g + 1) * w.group_size, w.K), 0, 0, s, o, Vec(s), Vec(o)};
     vector_span<W>(group.first, group.last, group.vector_begin, group.vector_end);
     body(group);
   }

@@ -59,14 +59,6 @@ bool gemv_dot_usable() {
 }
 #endif
 
-// x [M, K] with its columns zero-padded to `width` (x itself when K == width), in `dtype`.
-at::Tensor padded(const at::Tensor& x, int64_t width, at::ScalarType dtype) {
-  if (x.size(1) == width) return x.scalar_type() == dtype ? x : x.to(dtype);
-  at::Tensor wide = at::zeros({x.size(0), width}, x.options().dtype(dtype));
-  wide.narrow(1, 0, x.size(1)).copy_(x);
-  return wide;
-}
-
 at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16,
               "linear_bf16: input must be a bfloat16 CPU tensor, got ", input.scalar_type(), " on ", input.device());

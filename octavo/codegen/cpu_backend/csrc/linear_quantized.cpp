@@ -32,7 +32,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -157,10 +156,8 @@ void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& b
   }
   if (bf16_gemm && amx_gemm_chosen()) {
 #if defined(CPU_CAPABILITY_AVX512)
-    // x in bfloat16 (nearest even), its K padded with zeros to whole tiles.
     const int64_t lda = 2 * packed_pairs(w.K);
-    at::Tensor a = lda == w.K ? x.to(at::kBFloat16) : at::zeros({M, lda}, x.options().dtype(at::kBFloat16));
-    if (lda != w.K) a.narrow(1, 0, w.K).copy_(x);
+    const at::Tensor a = padded(x, lda, at::kBFloat16);  // rounded to nearest even, K padded to whole tiles
     gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias_data, out.data_ptr<float>());
     return;
 #endif
