@@ -9,6 +9,11 @@ compile per artifact through the session's cache: tests/runtime/test_compiled_ex
 warm starts, quantized artifacts), tests/runtime/test_compiled_executor_features.py (speculative
 decoding, preemption, prefix caching, n > 1, beams: each against the eager engine's tokens) and the
 windowed architecture in tests/test_architectures.py, all on the tiny mistral's one package.
+
+The bundled model's artifacts (`octavo compile` in float32 and bfloat16, and the quantized variants of
+tests/smollm2_quantized.py with their perplexities) are built by subprocesses that start, one after another,
+as soon as the session's tests are collected and run beside them (tests/background_builds.py); their fixtures
+wait for them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,7 @@ import pytest
 import torch
 
 from octavo.cache_dir import cache_root
+from tests.background_builds import BackgroundBuild, BuildQueue
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OCTAVO_EXECUTOR", "eager")
@@ -170,16 +176,56 @@ class CompileRun:
     seconds: float
 
 
+def _background_builds(root: Path) -> list[BackgroundBuild]:
+    """The bundled model's artifacts the session builds beside its tests, in the order tests need them, each
+    named by the session fixture that returns it (see tests/background_builds.py)."""
+    octavo = [sys.executable, "-m", "octavo.cli"]
+    return [BackgroundBuild("smollm2_fp32_compile", [*octavo, "compile", "smollm2-135m", "-o",
+                                                     str(root / "smollm2-fp32" / "artifact"), "--dtype", "float32",
+                                                     "--dump-dir", str(root / "smollm2-fp32" / "dumps")],
+                            root / "smollm2-fp32"),
+            BackgroundBuild("smollm2_quantized", [sys.executable, "-m", "tests.smollm2_quantized",
+                                                  str(root / "smollm2-quantized" / "artifacts")],
+                            root / "smollm2-quantized"),
+            BackgroundBuild("smollm2_bf16_artifact", [*octavo, "compile", "smollm2-135m", "-o",
+                                                      str(root / "smollm2-bf16" / "artifact"), "--dtype", "bfloat16"],
+                            root / "smollm2-bf16")]
+
+
+_BUILDS = pytest.StashKey[tuple[Path, BuildQueue]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background builds some collected test needs."""
+    root = Path(tempfile.mkdtemp(prefix="octavo-test-builds-"))
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    queue = BuildQueue([build for build in _background_builds(root) if build.name in needed])
+    session.config.stash[_BUILDS] = (root, queue)
+    if queue.builds and not session.config.option.collectonly:
+        queue.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    root, queue = session.config.stash.get(_BUILDS, (None, None))
+    if queue is not None:
+        queue.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def background_build(request: pytest.FixtureRequest, name: str) -> BackgroundBuild:
+    """The session's build `name`, finished: a failed one fails the test with its output."""
+    _, queue = request.config.stash[_BUILDS]
+    build = queue.builds[name]
+    result = build.result()
+    assert result.returncode == 0, f"{' '.join(build.argv)} failed:\n{result.stderr[-4000:]}"
+    return build
+
+
 @pytest.fixture(scope="session")
-def smollm2_fp32_compile(tmp_path_factory) -> CompileRun:
+def smollm2_fp32_compile(request) -> CompileRun:
     """`octavo compile smollm2-135m -o A --dump-dir D`, run once as a user would run it."""
-    root = tmp_path_factory.mktemp("smollm2-fp32")
-    artifact, dump_dir = root / "artifact", root / "dumps"
-    start = time.perf_counter()
-    result = run_cli("compile", "smollm2-135m", "-o", str(artifact), "--dtype", "float32", "--dump-dir", str(dump_dir))
-    seconds = time.perf_counter() - start
-    assert result.returncode == 0, result.stderr
-    return CompileRun(artifact, dump_dir, result, seconds)
+    build = background_build(request, "smollm2_fp32_compile")
+    return CompileRun(build.directory / "artifact", build.directory / "dumps", build.result(), build.seconds)
 
 
 @pytest.fixture(scope="session")
@@ -188,12 +234,15 @@ def smollm2_fp32_artifact(smollm2_fp32_compile) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_bf16_artifact(tmp_path_factory, smollm2_source) -> Path:
-    from octavo.compiler import compile_model
-    from octavo.config import CompileConfig
+def smollm2_bf16_artifact(request) -> Path:
+    """`octavo compile smollm2-135m --dtype bfloat16`."""
+    return background_build(request, "smollm2_bf16_artifact").directory / "artifact"
 
-    return compile_model(smollm2_source, tmp_path_factory.mktemp("smollm2-bf16") / "artifact",
-                         CompileConfig(dtype="bfloat16"))
+
+@pytest.fixture(scope="session")
+def smollm2_quantized(request) -> Path:
+    """The directory of tests/smollm2_quantized.py's artifacts and perplexities."""
+    return background_build(request, "smollm2_quantized").directory / "artifacts"
 
 
 @pytest.fixture(scope="session")

@@ -9,71 +9,55 @@ cache within +0.5%) and, for w4 (GGUF's own values, computed with bf16 activatio
 the CPU has native bf16), +1%; for w4 with a 4-bit vocabulary table, the +6% the project
 allows calibrated 4-bit schemes.
 
-At group size 64 the GGUF values are not kept: round to nearest (w4), AWQ and GPTQ (act-order) each quantize
-the float weights, AWQ and GPTQ calibrated on the first CALIBRATION_CHARS characters of the default calibration
-mix (9 runs of 512 tokens instead of 32, so that the suite can afford two calibrated compiles). Their bounds come
-from benchmarks/RESULTS.md ("The suite's calibrated schemes"), which measured this exact configuration and slice
-on two GEMM paths of one CPU: RTN +26.1%, AWQ +5.9%, GPTQ +4.8% over fp32 on AMX tiles, +25.8%, +6.0%, +5.0%
-on oneDNN's bfloat16 GEMM. Each bound adds 1.5 points to the larger rise, the margin the arithmetic needs:
-the quantized kernels round activations to bfloat16 only where the CPU computes it natively (the w4 variant's
-1% bound above is that effect alone), and the calibration statistics come from a float model whose rounding
-differs across CPUs. RTN is also held from below (a rise under 20% would mean the weights were not
-re-quantized), and each calibrated scheme must keep its rise under a third of RTN's: what calibrating buys.
+At group size 64 the GGUF values are not kept: round to nearest (w4), AWQ and GPTQ (act-order) each quantize the float
+weights, AWQ and GPTQ calibrated on the first CALIBRATION_CHARS characters (tests/smollm2_quantized.py) of the default
+calibration mix (9 runs of 512 tokens instead of 32, so that the suite can afford two calibrated compiles). Their
+bounds come from benchmarks/RESULTS.md ("The suite's calibrated schemes"), which measured this exact configuration and
+slice on two GEMM paths of one CPU: RTN +26.1%, AWQ +5.9%, GPTQ +4.8% over fp32 on AMX tiles, +25.8%, +6.0%, +5.0% on
+oneDNN's bfloat16 GEMM. Each bound adds 1.5 points to the larger rise, the margin the arithmetic needs: the quantized
+kernels round activations to bfloat16 only where the CPU computes it natively (the w4 variant's 1% bound above is that
+effect alone), and the calibration statistics come from a float model whose rounding differs across CPUs. RTN is also
+held from below (a rise under 20% would mean the weights were not re-quantized), and each calibrated scheme must keep
+its rise under a third of RTN's: what calibrating buys.
+
+The artifacts (fp32 among them) and their perplexities come from tests/smollm2_quantized.py, which the session
+runs in the background while other tests run (tests/background_builds.py).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from octavo.compiler import compile_variants
-from octavo.config import CompileConfig, EngineConfig
-from octavo.eval.corpus import default_text
-from octavo.eval.perplexity import perplexity, tokenize_text
-from octavo.eval.sources import calibration_text
+from octavo.config import EngineConfig
 from octavo.ir.quantized_layout import QuantizedWeight
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.weights import load_safetensors_mmap
+from tests.smollm2_quantized import PERPLEXITIES, SLICE_TOKENS, VARIANTS
 
 pytestmark = pytest.mark.slow
-SLICE_TOKENS = 1024  # three windows of 512 at stride 256
-CALIBRATION_CHARS = 20_000  # 4686 tokens of the default calibration mix: 9 runs of 512
 CALIBRATED_RUNS = 9
 # Measured rise over fp32 (RESULTS.md), and the bound's margin (module docstring).
 MEASURED_RISE = {"w4-g64": 0.261, "w4-awq-g64": 0.060, "w4-gptq-g64": 0.050}
 ARITHMETIC_MARGIN = 0.015
 
 
-def variants(calibration: str) -> dict[str, CompileConfig]:
-    return {"w8": CompileConfig(dtype="float32", quant="w8"), "w4": CompileConfig(dtype="float32", quant="w4"),
-            "w4-vocab4": CompileConfig(dtype="float32", quant="w4", vocab_quant="w4"),
-            "kv-int8": CompileConfig(dtype="float32", kv_cache_dtype="int8"),
-            "w4-g64": CompileConfig(dtype="float32", quant="w4", group_size=64),
-            "w4-awq-g64": CompileConfig(dtype="float32", quant="w4-awq", group_size=64, calibration=calibration),
-            "w4-gptq-g64": CompileConfig(dtype="float32", quant="w4-gptq", group_size=64, calibration=calibration,
-                                         gptq_act_order=True)}
+@pytest.fixture(scope="module")
+def artifacts(smollm2_quantized) -> dict[str, Path]:
+    """Every variant's artifact (tests/smollm2_quantized.py, built beside the session's other tests)."""
+    return {name: smollm2_quantized / name for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, smollm2_source, smollm2_fp32_artifact) -> dict:
-    root = tmp_path_factory.mktemp("smollm2-quantized")
-    calibration = root / "calibration.txt"
-    calibration.write_text(calibration_text("default")[:CALIBRATION_CHARS])
-    configs = variants(str(calibration))
-    paths = compile_variants(smollm2_source, [(root / name, config) for name, config in configs.items()])
-    return {"fp32": smollm2_fp32_artifact, **dict(zip(configs, paths, strict=True))}
-
-
-@pytest.fixture(scope="module")
-def perplexities(artifacts, smollm2_source) -> dict[str, float]:
-    tokens = tokenize_text(smollm2_source.tokenizer, default_text("evaluation"), SLICE_TOKENS)
-    results = {}
-    for name, path in artifacts.items():
-        engine = LLMEngine(path, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=1536))
-        results[name] = perplexity(engine, tokens)
-        assert results[name].tokens_scored == SLICE_TOKENS - 1
-    assert len({result.tokens_sha256 for result in results.values()}) == 1
-    return {name: result.perplexity for name, result in results.items()}
+def perplexities(smollm2_quantized) -> dict[str, float]:
+    results = json.loads((smollm2_quantized / PERPLEXITIES).read_text())
+    assert set(results) == set(VARIANTS)
+    assert all(result["tokens_scored"] == SLICE_TOKENS - 1 for result in results.values()), results
+    assert len({result["tokens_sha256"] for result in results.values()}) == 1
+    return {name: result["perplexity"] for name, result in results.items()}
 
 
 # w4-vocab4 also stores the embedding/lm_head in 4 bits: held to the calibrated schemes' +6%.

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from octavo.ir.quantized_layout import W4, QuantizedWeight, num_groups, pack_int4
-from octavo.passes.quantize_rtn import DEFAULT_RANGE_CUTS, w4_levels, w4_range_params, w4_scale_dtype
+from octavo.passes.quantize_rtn import DEFAULT_RANGE_CUTS, W4Rounding, w4_range_params, w4_scale_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ DEFAULT_DAMPING = 0.01
 DEFAULT_BLOCK_COLUMNS = 128
 GPTQ_RANGE_ERROR = "sum_k H[k, k] (w_k - q_k)^2 over the group"
 _MAX_DAMPING_RETRIES = 10
+_SEARCH_CHUNK_ELEMENTS = 1 << 21
 
 
 def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: float = DEFAULT_DAMPING,
@@ -65,95 +66,132 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, group_size: int, damping: flo
     Returns it with a record: the damping actually added (relative to mean(diag H)) and the
     number of dead (never activated) columns.
     """
-    work = weight.detach().float().clone()
-    rows, columns = work.shape
+    rows, columns = weight.shape
     if columns % 2:
         raise ValueError(f"w4 needs an even number of input features, got {columns}")
+    # The solver walks W's columns one at a time: held transposed ([K, N]), each is a contiguous row.
+    work = weight.detach().float().t().contiguous()
     hessian = hessian.detach().float().clone()
     dead = torch.diagonal(hessian) == 0
     hessian[dead, dead] = 1.0
-    work[:, dead] = 0.0
+    work[dead] = 0.0
     scale_dtype = w4_scale_dtype(work)
     importance = torch.diagonal(hessian).clone() if range_search else None
-    cuts = torch.tensor(range_cuts, dtype=torch.float32)
-    static = _group_params(work, group_size, scale_dtype, importance, cuts) if act_order else None
+    static = _group_params(work, group_size, scale_dtype, importance, range_cuts) if act_order else None
     order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True) if act_order else None
     if order is not None:
-        work, hessian = work[:, order], hessian[order][:, order]
+        work, hessian = work[order], hessian[order][:, order]
     upper, relative_damping = _inverse_cholesky(hessian, damping)
-    levels = torch.zeros_like(work)
+    levels = torch.empty_like(work)
     groups = num_groups(columns, group_size)
     scales = torch.zeros(rows, groups, dtype=scale_dtype)
     offsets = torch.zeros(rows, groups, dtype=scale_dtype)
+    solver = _ColumnSolver(work, upper, levels, group_size, importance, range_cuts, scales, offsets)
+    if static is not None:
+        solver.use_static_groups(*static, order)
     block = group_size * max(1, block_columns // group_size)
     for start in range(0, columns, block):
         end = min(start + block, columns)
-        errors = _quantize_block(work, upper, levels, scales, offsets, start, end, group_size, static, order,
-                                 importance, cuts)
-        work[:, end:].addmm_(errors, upper[start:end, end:], alpha=-1.0)
+        errors = solver.quantize_block(start, end)
+        work[end:].addmm_(upper[start:end, end:].t(), errors, alpha=-1.0)
     if order is not None:
-        levels = levels[:, torch.argsort(order)]
+        levels = levels[torch.argsort(order)]
         scales, offsets = static
-    quantized = QuantizedWeight(W4, pack_int4(levels.to(torch.uint8)), scales.contiguous(), offsets.contiguous(),
-                                group_size, "gptq")
+    packed = pack_int4(levels.to(torch.uint8).t().contiguous())
+    quantized = QuantizedWeight(W4, packed, scales.contiguous(), offsets.contiguous(), group_size, "gptq")
     return quantized, {"damping": relative_damping, "dead_columns": int(dead.sum())}
 
 
-def _quantize_block(work: Tensor, upper: Tensor, levels: Tensor, scales: Tensor, offsets: Tensor, start: int,
-                    end: int, group_size: int, static: tuple[Tensor, Tensor] | None,
-                    order: Tensor | None, importance: Tensor | None, cuts: Tensor) -> Tensor:
-    """Round columns start..end-1 of `work` in place of `levels`, feeding each error forward; returns the errors."""
-    block = work[:, start:end]  # a view: the feedback inside the block updates `work`
-    inverse = upper[start:end, start:end]
-    errors = torch.empty_like(block)
-    group_scale = group_offset = None
-    for index in range(end - start):
-        column = start + index
-        if static is not None:
-            group = int(order[column]) // group_size
-            group_scale, group_offset = static[0][:, group], static[1][:, group]
-        elif column % group_size == 0:
-            group_scale, group_offset = _group_range(work, column, min(column + group_size, work.shape[1]),
-                                                     importance, scales.dtype, cuts)
-            scales[:, column // group_size], offsets[:, column // group_size] = group_scale, group_offset
-        original = block[:, index]
-        q = w4_levels(original, group_scale, group_offset)
-        levels[:, column] = q
-        error = (original - (q * group_scale.float() + group_offset.float())) / inverse[index, index]
-        block[:, index + 1:].addr_(error, inverse[index, index + 1:], alpha=-1.0)
-        errors[:, index] = error
-    return errors
+class _ColumnSolver:
+    """Rounds the columns of the transposed weight `work` [K, N] block by block, writing their levels into
+    `levels` [K, N] and (groups fixed as they are reached) the groups' `scales` and `offsets` [N, G]."""
+
+    def __init__(self, work: Tensor, upper: Tensor, levels: Tensor, group_size: int, importance: Tensor | None,
+                 cuts: tuple[tuple[float, float], ...], scales: Tensor, offsets: Tensor) -> None:
+        self.work, self.upper, self.levels, self.group_size = work, upper, levels, group_size
+        self.importance, self.cuts, self.scales, self.offsets = importance, cuts, scales, offsets
+        self.column_groups: list[W4Rounding] | None = None
+        self.current: W4Rounding | None = None
+
+    def use_static_groups(self, scales: Tensor, offsets: Tensor, order: Tensor) -> None:
+        """Act-order: column i of `work` is W's column order[i], rounded with its own group's fixed values."""
+        groups = [W4Rounding(scales[:, group], offsets[:, group]) for group in range(scales.shape[1])]
+        self.column_groups = [groups[column // self.group_size] for column in order.tolist()]
+
+    def quantize_block(self, start: int, end: int) -> Tensor:
+        """Round columns start..end-1, feeding each one's error into the block's later columns; returns the
+        block's errors [end - start, N] (``(w_k - q_k) / U[k, k]``) for the update of the columns after it."""
+        block = self.work[start:end]
+        inverse = self.upper[start:end, start:end]
+        diagonal = torch.diagonal(inverse).tolist()
+        errors = torch.empty_like(block)
+        for index in range(end - start):
+            rounding = self._rounding(start + index)
+            column, error = block[index], errors[index]
+            rounding.dequantized(rounding.levels(column, out=self.levels[start + index]), out=error)
+            torch.sub(column, error, out=error).div_(diagonal[index])
+            block[index + 1:].addr_(inverse[index, index + 1:], error, alpha=-1.0)
+        return errors
+
+    def _rounding(self, column: int) -> W4Rounding:
+        if self.column_groups is not None:
+            return self.column_groups[column]
+        if column % self.group_size == 0:
+            group = column // self.group_size
+            end = min(column + self.group_size, self.work.shape[0])
+            scale, offset = _group_range(self.work[column:end], self.importance, column, self.scales.dtype, self.cuts)
+            self.scales[:, group], self.offsets[:, group] = scale, offset
+            self.current = W4Rounding(scale, offset)
+        return self.current
 
 
-def _group_range(weight: Tensor, first: int, end: int, importance: Tensor | None,
-                 scale_dtype: torch.dtype, cuts: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row, the (scale, offset) of columns first..end-1 of `weight`: their min/max range, or with
-    `importance` the searched one (_searched_range)."""
-    values = weight[:, first:end]
+def _group_range(values: Tensor, importance: Tensor | None, first: int, scale_dtype: torch.dtype,
+                 cuts: tuple[tuple[float, float], ...]) -> tuple[Tensor, Tensor]:
+    """Per row of W, the (scale, offset) of the group whose columns are the rows of `values` [g, N], the first
+    being column `first`: their min/max range, or with `importance` the searched one (_searched_range)."""
     if importance is None:
-        return w4_range_params(values.amin(1), values.amax(1), scale_dtype)
-    return _searched_range(values, importance[first:end], scale_dtype, cuts)
+        return w4_range_params(values.amin(0), values.amax(0), scale_dtype)
+    return _searched_range(values, importance[first:first + values.shape[0]], scale_dtype, cuts)
 
 
 def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype,
-                    cuts: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row, the (scale, offset) of the range [lo + bottom (hi - lo), hi - top (hi - lo)] over the (bottom, top)
-    rows of `cuts` [C, 2] that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the group (the
-    first such cut on ties)."""
-    lowest, highest = values.amin(1), values.amax(1)
+                    cuts: tuple[tuple[float, float], ...]) -> tuple[Tensor, Tensor]:
+    """Per row of W, the (scale, offset) of the range [lo + bottom (hi - lo), hi - top (hi - lo)] over the
+    (bottom, top) pairs of `cuts` that minimizes sum_k importance[k] * (w_k - dequantized w_k)^2 over the
+    group (the first such cut on ties); `values` [g, N] holds the group's columns as rows.
+
+    Candidates are evaluated a few at a time: enough per chunk to keep the number of tensor operations
+    small, few enough that a chunk's temporaries stay near the cache's size."""
+    lowest, highest = values.amin(0), values.amax(0)
     width = highest - lowest
-    scales, offsets = w4_range_params(lowest + cuts[:, :1] * width, highest - cuts[:, 1:] * width, scale_dtype)
-    levels = w4_levels(values, scales[:, :, None], offsets[:, :, None])
-    dequantized = levels * scales.float()[:, :, None] + offsets.float()[:, :, None]
-    best = (((dequantized - values) ** 2) * importance).sum(2).argmin(0, keepdim=True)
-    return scales.gather(0, best).squeeze(0), offsets.gather(0, best).squeeze(0)
+    fractions = torch.tensor(cuts, dtype=torch.float32)
+    per_chunk = max(1, _SEARCH_CHUNK_ELEMENTS // values.numel())
+    best_error = best_scales = best_offsets = None
+    for first in range(0, len(cuts), per_chunk):
+        bottom, top = fractions[first:first + per_chunk, :1], fractions[first:first + per_chunk, 1:]
+        scales, offsets = w4_range_params(lowest + bottom * width, highest - top * width, scale_dtype)  # [c, N]
+        rounding = W4Rounding(scales.unsqueeze(1), offsets.unsqueeze(1))
+        error = rounding.dequantized(rounding.levels(values)).sub_(values).square_()  # [c, g, N]
+        errors = torch.matmul(importance, error)  # [c, N]
+        index = errors.argmin(0, keepdim=True)  # the first candidate on ties
+        chunk_error = errors.gather(0, index)[0]
+        chunk_scales, chunk_offsets = scales.gather(0, index)[0], offsets.gather(0, index)[0]
+        if best_error is None:
+            best_error, best_scales, best_offsets = chunk_error, chunk_scales, chunk_offsets
+            continue
+        better = chunk_error < best_error
+        best_error = torch.where(better, chunk_error, best_error)
+        best_scales = torch.where(better, chunk_scales, best_scales)
+        best_offsets = torch.where(better, chunk_offsets, best_offsets)
+    return best_scales, best_offsets
 
 
-def _group_params(weight: Tensor, group_size: int, scale_dtype: torch.dtype,
-                  importance: Tensor | None, cuts: Tensor) -> tuple[Tensor, Tensor]:
-    """(scales, offsets) [N, num_groups] of every group of `weight` (_group_range), the last possibly shorter."""
-    columns = weight.shape[1]
-    ranges = [_group_range(weight, start, min(start + group_size, columns), importance, scale_dtype, cuts)
+def _group_params(work: Tensor, group_size: int, scale_dtype: torch.dtype, importance: Tensor | None,
+                  cuts: tuple[tuple[float, float], ...]) -> tuple[Tensor, Tensor]:
+    """(scales, offsets) [N, num_groups] of every group of the transposed weight `work` [K, N] (_group_range),
+    the last possibly shorter."""
+    columns = work.shape[0]
+    ranges = [_group_range(work[start:start + group_size], importance, start, scale_dtype, cuts)
               for start in range(0, columns, group_size)]
     return torch.stack([scale for scale, _ in ranges], dim=1), torch.stack([offset for _, offset in ranges], dim=1)
 

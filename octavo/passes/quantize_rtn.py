@@ -114,9 +114,36 @@ def w4_range_params(low: Tensor, high: Tensor, scale_dtype: torch.dtype | None =
 def w4_levels(values: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
     """The 4-bit levels q (float, 0..15) of float32 `values` under (broadcast) scales and offsets: the nearest
     ``q * scale + offset``, computed as ``round_half_even((w - offset) / scale)`` clamped; 0 where scale is 0."""
-    safe_scales = torch.where(scales == 0, torch.ones_like(scales), scales).float()
-    q = torch.round((values - offsets.float()) / safe_scales).clamp(0, 15)
-    return torch.where(scales == 0, torch.zeros_like(q), q)
+    return W4Rounding(scales, offsets).levels(values)
+
+
+class W4Rounding:
+    """w4_levels and the values they dequantize to, for one set of (broadcast) scales and offsets prepared once.
+
+    Solvers that round many slices of a group on the same parameters (GPTQ, one column at a time) keep
+    one of these per group instead of re-deriving the float32 scale, offset and zero-scale mask for
+    each slice; ``out`` lets them write into preallocated rows.
+    """
+
+    def __init__(self, scales: Tensor, offsets: Tensor) -> None:
+        self.scale, self.offset = scales.float(), offsets.float()
+        zero = scales == 0
+        self.divisor = torch.where(zero, torch.ones_like(self.scale), self.scale)
+        self.zero = zero if bool(zero.any()) else None
+
+    def levels(self, values: Tensor, out: Tensor | None = None) -> Tensor:
+        """w4_levels(values, scales, offsets), written into `out` when given."""
+        q = torch.sub(values, self.offset, out=out) if out is not None else values - self.offset
+        # Clamping first makes the rounding exact by adding and removing 2^mantissa_bits: the sum's spacing is
+        # 1, so IEEE round-to-nearest-even rounds q exactly as torch.round does, ~20x faster on CPU tensors.
+        bias = 1.0 / torch.finfo(q.dtype).eps
+        q.div_(self.divisor).clamp_(0, 15).add_(bias).sub_(bias)
+        return q if self.zero is None else q.masked_fill_(self.zero, 0.0)
+
+    def dequantized(self, levels: Tensor, out: Tensor | None = None) -> Tensor:
+        """``levels * scale + offset`` in float32 (the values the levels stand for), into `out` when given."""
+        values = torch.mul(levels, self.scale, out=out) if out is not None else levels * self.scale
+        return values.add_(self.offset)
 
 
 def quantize_fp8(weight: Tensor) -> QuantizedWeight:
