@@ -12,8 +12,8 @@ windowed architecture in tests/test_architectures.py, all on the tiny mistral's 
 
 The bundled model's artifacts (`octavo compile` in float32 and bfloat16, and the quantized variants of
 tests/smollm2_quantized.py with their perplexities) are built by subprocesses that start, one after another,
-as soon as the session's tests are collected and run beside them (tests/background_builds.py); their fixtures
-wait for them.
+as soon as the session's tests are collected and run at idle priority beside them (tests/background_builds.py);
+their fixtures wait for them.
 """
 
 from __future__ import annotations
