@@ -165,25 +165,16 @@ def _searched_range(values: Tensor, importance: Tensor, scale_dtype: torch.dtype
     lowest, highest = values.amin(0), values.amax(0)
     width = highest - lowest
     fractions = torch.tensor(cuts, dtype=torch.float32)
+    scales, offsets = w4_range_params(lowest + fractions[:, :1] * width, highest - fractions[:, 1:] * width,
+                                      scale_dtype)  # [C, N]: every candidate's
     per_chunk = max(1, _SEARCH_CHUNK_ELEMENTS // values.numel())
-    best_error = best_scales = best_offsets = None
+    errors = []
     for first in range(0, len(cuts), per_chunk):
-        bottom, top = fractions[first:first + per_chunk, :1], fractions[first:first + per_chunk, 1:]
-        scales, offsets = w4_range_params(lowest + bottom * width, highest - top * width, scale_dtype)  # [c, N]
-        rounding = W4Rounding(scales.unsqueeze(1), offsets.unsqueeze(1))
-        error = rounding.dequantized(rounding.levels(values)).sub_(values).square_()  # [c, g, N]
-        errors = torch.matmul(importance, error)  # [c, N]
-        index = errors.argmin(0, keepdim=True)  # the first candidate on ties
-        chunk_error = errors.gather(0, index)[0]
-        chunk_scales, chunk_offsets = scales.gather(0, index)[0], offsets.gather(0, index)[0]
-        if best_error is None:
-            best_error, best_scales, best_offsets = chunk_error, chunk_scales, chunk_offsets
-            continue
-        better = chunk_error < best_error
-        best_error = torch.where(better, chunk_error, best_error)
-        best_scales = torch.where(better, chunk_scales, best_scales)
-        best_offsets = torch.where(better, chunk_offsets, best_offsets)
-    return best_scales, best_offsets
+        rounding = W4Rounding(scales[first:first + per_chunk, None], offsets[first:first + per_chunk, None])
+        squares = rounding.dequantized(rounding.levels(values)).sub_(values).square_()  # [c, g, N]
+        errors.append(torch.matmul(importance, squares))  # [c, N]
+    best = torch.cat(errors).argmin(0, keepdim=True)  # the first candidate on ties
+    return scales.gather(0, best)[0], offsets.gather(0, best)[0]
 
 
 def _group_params(work: Tensor, group_size: int, scale_dtype: torch.dtype, importance: Tensor | None,
