@@ -65,21 +65,37 @@ def wait_until_ready(store: dist.Store, world_size: int, local_failures: dict[in
     return []
 
 
-def start_heartbeat(store: dist.Store, rank: int) -> threading.Thread:
-    """Bump this rank's heartbeat counter every HEARTBEAT_INTERVAL_S, on a daemon thread, while it lives."""
+class Heartbeat:
+    """Bumps this rank's heartbeat counter every HEARTBEAT_INTERVAL_S on a thread of its own, until `stop`.
 
-    def beat() -> None:
-        key = f"{_HEARTBEAT}{rank}"
-        while True:
+    `stop` must run before the process ends: a daemon thread still inside a
+    store call (which releases the GIL) when the interpreter finalizes is
+    ended by the runtime as it tries to take the GIL back, and unwinding it
+    through c10d's C++ frames aborts the whole process (std::terminate).
+    """
+
+    JOIN_TIMEOUT_S = 10.0
+
+    def __init__(self, store: dist.Store, rank: int):
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(store, f"{_HEARTBEAT}{rank}"),
+                                        name=f"octavo-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _beat(self, store: dist.Store, key: str) -> None:
+        while not self._stopping.is_set():
             try:
                 store.add(key, 1)
             except Exception:  # the store (rank 0) is gone: nobody is listening any more
                 return
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            self._stopping.wait(HEARTBEAT_INTERVAL_S)
 
-    thread = threading.Thread(target=beat, name=f"octavo-heartbeat-{rank}", daemon=True)
-    thread.start()
-    return thread
+    def stop(self) -> None:
+        """Stop beating and wait for a store call in flight to return."""
+        self._stopping.set()
+        self._thread.join(self.JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("the heartbeat's store call did not return within %.0fs", self.JOIN_TIMEOUT_S)
 
 
 def describe_exit(exitcode: int) -> str:

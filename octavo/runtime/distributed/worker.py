@@ -50,7 +50,7 @@ def run_worker(rendezvous: Rendezvous, options: WorkerOptions, build_program: Ca
     program (a RankProgram of octavo.passes.rank_program).
     """
     from octavo.runtime.distributed.collectives import init_groups, open_store
-    from octavo.runtime.distributed.failures import mark_ready, record_error, start_heartbeat
+    from octavo.runtime.distributed.failures import Heartbeat, mark_ready, record_error
     from octavo.runtime.distributed.protocol import SHUTDOWN
     from octavo.runtime.distributed.rank_state import build_rank_state, run_step, step_input_dtypes, step_input_names
     from octavo.runtime.distributed.transport import StepTransport
@@ -58,7 +58,7 @@ def run_worker(rendezvous: Rendezvous, options: WorkerOptions, build_program: Ca
     config = options.config
     torch.set_num_threads(threads_per_rank(config, rendezvous.local_world_size))
     store = open_store(rendezvous, config.rendezvous_timeout)
-    start_heartbeat(store, rendezvous.rank)
+    heartbeat = Heartbeat(store, rendezvous.rank)
     try:
         manifest, program = build_program()
         mark_ready(store, rendezvous.rank)
@@ -79,3 +79,5 @@ def run_worker(rendezvous: Rendezvous, options: WorkerOptions, build_program: Ca
     except BaseException as error:
         record_error(store, rendezvous.rank, error)
         raise
+    finally:
+        heartbeat.stop()
