@@ -180,6 +180,21 @@ void prefetch_item(const Problem& p, const Schedule& schedule, const int32_t* se
   const int32_t* blocks = p.block_tables + range.seq * p.table_stride;
   const auto [first_head, end_head] = item_heads(p, item);
   constexpr int64_t bytes = sizeof(CT);
+  if constexpr (kQuantized<CT>) {  // the rows' scales first: the chunk reads them before any row
+    for (const Pool* pool : {&p.keys, &p.values}) {
+      for (int64_t position = range.begin; position < range.end;) {
+        const int64_t block = position / p.block_size, last = std::min(range.end, (block + 1) * p.block_size);
+        const float* first = pool->scales + blocks[block] * pool->scale_block_stride +
+                             (position % p.block_size) * pool->scale_token_stride + first_head * pool->scale_head_stride;
+        // One run over the segment's span, from its first line (other heads' scales between come along).
+        const float* end = first + (last - 1 - position) * pool->scale_token_stride +
+                           (end_head - 1 - first_head) * pool->scale_head_stride + 1;
+        const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
+        s.ahead.add(line, 1, 0, reinterpret_cast<const char*>(end) - line);
+        position = last;
+      }
+    }
+  }
   for (const Pool* pool : {&p.keys, &p.values}) {
     const int64_t row_bytes = (pool == &p.keys ? p.head_dim : p.value_dim) * bytes;
     const int64_t stride = pool->token_stride * bytes, heads = end_head - first_head;
@@ -404,6 +419,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                   tables.stride(0), paged_rows ? query_f.const_data_ptr<float>() : nullptr,
                   paged_rows ? output_f.data_ptr<float>() : nullptr, keys, values};
   problem.bf16_queries = query.scalar_type() == at::kBFloat16;
+  if (problem.bf16_queries && key_cache.scalar_type() == at::kChar) problem.int8_dot = int8_dot_choice();
   problem.soft_cap = static_cast<float>(soft_cap);
   problem.computed_elsewhere = by_aten.empty() ? nullptr : by_aten.data();
   if (paged_rows) {

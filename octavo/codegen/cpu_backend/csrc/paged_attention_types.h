@@ -39,6 +39,10 @@ __attribute__((always_inline)) inline void interleave_bf16_rows(const uint16_t* 
 }
 #endif
 
+// How a decode chunk's int8 rows meet a bfloat16 model's queries (paged_decode_int8.h): widened to float, or as
+// int16 pairs by vpmaddwd or by AVX512_VNNI's vpdpwssd (the same int32 sums).
+enum class Int8Dot { kFloat, kMadd, kVnni };
+
 template <typename T>
 constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
 
@@ -78,6 +82,7 @@ struct Problem {
   float* output;       // [T, Hq, padded_value_dim]
   Pool keys, values;
   bool bf16_queries = false;  // every query value is a bf16 number (the query tensor is bfloat16)
+  Int8Dot int8_dot = Int8Dot::kFloat;  // int8 caches under bf16 queries: how decode chunks compute
   float soft_cap = 0.f;       // scores s become soft_cap * tanh(s / soft_cap) when positive
   const uint8_t* computed_elsewhere = nullptr;  // per sequence: 1 where another kernel attends it (no items)
   int64_t record_size() const { return padded_value_dim + kLanes; }  // partial: o[padded_value_dim], m, l
@@ -139,6 +144,9 @@ struct Scratch {
   std::vector<uint16_t> bf16_queries;       // decode queries as bfloat16 bits, for dpbf16 scoring
   std::vector<const uint16_t*> dot_queries;  // per query: its bfloat16 bits, nullptr where not exact
   std::vector<uint32_t> weight_pairs;        // softmax weights as bfloat16 pairs, for dpbf16 weighting
+  std::vector<int16_t> int16_queries;        // decode queries as int16, for int8 rows (paged_decode_int8.h)
+  std::vector<float> query_steps;            // per query: the step of its int16 values
+  std::vector<int16_t> int16_weights;        // softmax weights as int16, for int8 value rows
   Lookahead ahead;                           // the next decode item's K and V lines
 };
 

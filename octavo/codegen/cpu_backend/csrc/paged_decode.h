@@ -3,11 +3,13 @@
 // tree, each row read once for a group of queries; the chunk's K rows are asked for as it starts and its V rows
 // while K is scored, and the scoring and weighting loops ask for the next item's lines a few at a time
 // (Scratch::ahead). bfloat16 rows take the paired loads of paged_decode_bf16.h (values always; keys by dpbf16
-// where the CPU and the query allow).
+// where the CPU and the query allow); int8 rows under a bfloat16 model's queries the int16 pairs of
+// paged_decode_int8.h (AVX-512 builds, rows of whole 32-value parts).
 #pragma once
 
 #include "paged_attention_types.h"
 #include "paged_decode_bf16.h"
+#include "paged_decode_int8.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -16,14 +18,20 @@
 namespace octavo_cpu {
 namespace paged {
 
-// Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors.
+// Scales of positions [begin, begin + n) of kv head `head` (a quantized pool), zero-padded to whole vectors; block
+// by block, as row_pointers (no division per row).
 inline void row_scales(const Pool& pool, const int32_t* blocks, int64_t block_size, int64_t begin, int64_t n,
                        int64_t head, std::vector<float>& scales) {
   scales.assign(round_up(n, kLanes), 0.f);
+  const float* base = pool.scales + head * pool.scale_head_stride;
+  int64_t block = begin / block_size, offset = begin % block_size;
+  const float* start = base + blocks[block] * pool.scale_block_stride;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t position = begin + j;
-    scales[j] = pool.scales[blocks[position / block_size] * pool.scale_block_stride +
-                            (position % block_size) * pool.scale_token_stride + head * pool.scale_head_stride];
+    if (offset == block_size) {
+      offset = 0;
+      start = base + blocks[++block] * pool.scale_block_stride;
+    }
+    scales[j] = start[offset++ * pool.scale_token_stride];
   }
 }
 
@@ -103,6 +111,19 @@ void weighted_values(const float* const* weights, const void* const* rows, int64
 template <typename CT, int NV, int NQ>
 void score_group(const Problem& p, int64_t n, const float* const* queries, float* const* scores,
                  const void* const* prefetch, Scratch& s, int64_t offset) {
+#if defined(CPU_CAPABILITY_AVX512)  // the integer pairs exist in AVX-512 builds only
+  if constexpr (std::is_same_v<CT, int8_t> && NV % 2 == 0) {
+    if (p.int8_dot != Int8Dot::kFloat) {
+      const int16_t* int16_queries[NQ];
+      for (int q = 0; q < NQ; ++q) int16_queries[q] = s.int16_queries.data() + (offset + q) * p.head_dim;
+      const float* steps = s.query_steps.data() + offset;
+      const auto kernel = p.int8_dot == Int8Dot::kVnni ? &score_keys_int8<NV / 2, NQ, true>
+                                                        : &score_keys_int8<NV / 2, NQ, false>;
+      return kernel(int16_queries, steps, s.key_sources.data(), s.key_scales.data(), n, p.scale, scores, prefetch,
+                    s.ahead);
+    }
+  }
+#endif
   if constexpr (std::is_same_v<CT, c10::BFloat16> && kHasDotBf16 && NV % 2 == 0) {
     if (!s.dot_queries.empty()) {
       const uint16_t* const* dot = s.dot_queries.data() + offset;
@@ -140,6 +161,15 @@ void query_group_partials(const Problem& p, int64_t n, const float* const* queri
       }
     }
   }
+#if defined(CPU_CAPABILITY_AVX512)  // the integer pairs exist in AVX-512 builds only
+  if constexpr (std::is_same_v<CT, int8_t> && NV % 2 == 0) {
+    if (p.int8_dot != Int8Dot::kFloat && n <= kInt8ValueRowsMax) {
+      const auto kernel = p.int8_dot == Int8Dot::kVnni ? &weighted_values_int8<NV / 2, NQ, true>
+                                                        : &weighted_values_int8<NV / 2, NQ, false>;
+      return kernel(scores, s.value_sources.data(), n, records, s.ahead, s.int16_weights);
+    }
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX512)  // the dpbf16 weighting and the CPU check exist in AVX-512 builds only
   if constexpr (std::is_same_v<CT, c10::BFloat16> && NV % 2 == 0) {
     if (p.bf16_queries && cpu_has_avx512_bf16()) {  // a bf16 model's queries: its weights are rounded to bf16
@@ -165,6 +195,11 @@ void chunk_partials_direct(const Problem& p, const int32_t* blocks, int64_t head
     row_scales(p.values, blocks, p.block_size, begin, n, head, s.value_scales);
   }
   if constexpr (std::is_same_v<CT, c10::BFloat16>) prepare_dot_queries<NV>(queries, nq, p.head_dim, s);
+#if defined(CPU_CAPABILITY_AVX512)  // the integer pairs exist in AVX-512 builds only
+  if constexpr (std::is_same_v<CT, int8_t> && NV % 2 == 0) {
+    if (p.int8_dot != Int8Dot::kFloat) prepare_int16_queries(queries, nq, p.head_dim, s);
+  }
+#endif
   // Every K row of the chunk is requested at once (their loads then overlap); V rows while K is scored.
   for (int64_t j = 0; j < n; ++j) prefetch_row<CT, NV>(s.key_sources[j]);
   s.scores.resize(kGroup * round_up(n, kLanes));
