@@ -64,25 +64,11 @@ inline float quantize_int16(const float* values, int64_t n, int16_t* out) {
 
 // The 16 horizontal sums of acc[0:16] as one vector, exactly in int32 (transpose_sum's tree on integers).
 __attribute__((always_inline)) inline __m512i transpose_sum_epi32(const __m512i* acc) {
-  const auto add = [](__m512 a, __m512 b) {
+  __m512 vectors[16];
+  for (int i = 0; i < 16; ++i) vectors[i] = _mm512_castsi512_ps(acc[i]);
+  return _mm512_castps_si512(transpose_tree(vectors, [](__m512 a, __m512 b) {
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  };
-  __m512 pairs[8], quads[4], octets[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_castsi512_ps(acc[2 * i]), b = _mm512_castsi512_ps(acc[2 * i + 1]);
-    pairs[i] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
-    quads[i] = add(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
-    octets[i] = add(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_castps_si512(add(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1))));
+  }));
 }
 
 // s.int16_queries / s.query_steps for the chunk's nq queries (dim a multiple of 32).

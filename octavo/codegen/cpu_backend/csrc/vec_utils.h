@@ -180,28 +180,38 @@ inline Vec load_widened(const c10::Float8_e4m3fn* src) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool kHasTransposeSum = true;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The tree of transpose_sum on 16 vectors of 16 lanes, combining with `add` (float or integer addition of the
+// vectors' bits): lane j of the result is acc[j]'s lanes combined in an order that depends only on j.
+template <typename Add>
+__attribute__((always_inline)) inline __m512 transpose_tree(const __m512* acc, const Add& add) {
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+    pairs[i] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, each summed over that lane's 4 floats
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = add(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // [keys 8i..8i+3 over lanes 0+1, over 2+3, keys 8i+4..8i+7 over 0+1, over 2+3]
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    octets[i] = add(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return add(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // The kLanes horizontal sums of acc[0:kLanes] as one vector: lane j = sum of the lanes of acc[j]. A tree of
 // unpack/shuffle adds (kLanes - 1 combining steps of ~3 instructions) instead of kLanes horizontal sums; the
 // order in which lane j's terms are added depends only on j, never on the other vectors' values.
 __attribute__((always_inline)) inline Vec transpose_sum(const Vec* acc) {
 #if defined(CPU_CAPABILITY_AVX512)
-  __m512 pairs[8], quads[4], octets[2];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    const __m512 a = acc[2 * i], b = acc[2 * i + 1];
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, each summed over that lane's 4 floats
-    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {  // [keys 8i..8i+3 over lanes 0+1, over 2+3, keys 8i+4..8i+7 over 0+1, over 2+3]
-    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
-    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1))));
+  __m512 vectors[16];
+  for (int i = 0; i < 16; ++i) vectors[i] = acc[i];
+  return Vec(transpose_tree(vectors, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
 #else
   __m256 pairs[4], quads[2];
   for (int i = 0; i < 4; ++i) {
