@@ -5,10 +5,11 @@
 SmolLM2-135M's linear shapes (q/k/v, o, gate/up, down; 30 layers each with its own weights, so that a step reads
 them from memory as a decode step does), the weights quantized as `--quant w8` (int8, one scale per output
 channel) and `--quant w4` (groups of 32) store them. For every row count each linear is called through
-`octavo_cpu::linear_w8` / `linear_w4` with bf16_gemm on (what a model computing in bfloat16 runs), once with the
-CPU's own choice (AMX tiles where the CPU has AMX-BF16) and once with OCTAVO_CPU_QUANTIZED_GEMM=onednn, and
-`octavo_cpu::linear_bf16` on bfloat16 weights of the same shape, in turn, `--rounds` times over all layers. The
-table gives the median time per call and each kernel's whole-step sum over the layers.
+`octavo_cpu::linear_w8` / `linear_w4` on bfloat16 rows with bf16_gemm on (what a model computing in bfloat16
+runs), once with the CPU's own choice (AMX tiles where the CPU has AMX-BF16) and once with
+OCTAVO_CPU_QUANTIZED_GEMM=onednn, and `octavo_cpu::linear_bf16` on bfloat16 weights of the same shape, in turn,
+`--rounds` times over all layers. The table gives the median time per call and each kernel's whole-step sum
+over the layers.
 
 On a shared machine read only the ratios, and run it with `taskset` on a fixed set of cores.
 """
@@ -41,32 +42,31 @@ def make_layer(rows: int, columns: int, generator: torch.Generator) -> dict:
             "bf16": (torch.randn(rows, columns, generator=generator) * 0.05).bfloat16()}
 
 
-def call(kernel: str, x: torch.Tensor, x16: torch.Tensor, layer: dict) -> None:
+def call(kernel: str, x16: torch.Tensor, layer: dict) -> None:
     if kernel.startswith("w8"):
         qweight, scales = layer["w8"]
-        torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, qweight.shape[1], True)
+        torch.ops.octavo_cpu.linear_w8(x16, qweight, scales, None, qweight.shape[1], True)
     elif kernel.startswith("w4"):
         packed, scales, offsets = layer["w4"]
-        torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, W4_GROUP, True)
+        torch.ops.octavo_cpu.linear_w4(x16, packed, scales, offsets, None, W4_GROUP, True)
     else:
         torch.ops.octavo_cpu.linear_bf16(x16, layer["bf16"])
 
 
 def time_rows(layers: list[tuple[str, dict]], rows: int, rounds: int) -> dict[tuple[str, str], float]:
     """(shape, kernel) -> median seconds per call."""
-    inputs = {columns: torch.randn(rows, columns) for columns in {576, 1536}}
+    inputs = {columns: torch.randn(rows, columns).bfloat16() for columns in {576, 1536}}
     times: dict[tuple[str, str], list[float]] = {}
     for round_ in range(rounds):
         for index, (name, layer) in enumerate(layers):
-            x = inputs[layer["bf16"].shape[1]]
-            x16 = x.bfloat16()
+            x16 = inputs[layer["bf16"].shape[1]]
             order = KERNELS[(index + round_) % len(KERNELS):] + KERNELS[:(index + round_) % len(KERNELS)]
             for kernel in order:
                 os.environ["OCTAVO_CPU_QUANTIZED_GEMM"] = "onednn" if kernel.endswith("onednn") else ""
                 if round_ == 0:
-                    call(kernel, x, x16, layer)  # packs the bf16 weight once, outside the timing
+                    call(kernel, x16, layer)  # packs the bf16 weight once, outside the timing
                 start = time.perf_counter()
-                call(kernel, x, x16, layer)
+                call(kernel, x16, layer)
                 times.setdefault((name, kernel), []).append(time.perf_counter() - start)
     return {key: statistics.median(values) for key, values in times.items()}
 

@@ -40,7 +40,7 @@ SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp", "lin
 HEADERS = ("vec_utils.h", "gemv_int8.h", "gemv_dequantizing.h", "paged_attention_types.h", "paged_cache_write.h",
            "paged_decode.h", "paged_decode_bf16.h", "paged_decode_int8.h", "paged_prefill.h", "paged_prefill_bf16.h",
            "paged_schedule.h", "prefill_aten.h", "bf16_packing.h", "gemv_bf16.h", "gemm_amx_bf16.h",
-           "gemm_amx_dequantizing.h")
+           "gemm_amx_dequantizing.h", "gemm_amx_int8.h")
 LIBRARY_NAME = "octavo_cpu_kernels"
 # No -ffast-math: results must not depend on how the compiler reassociates. Contraction off: an FMA
 # only where the source asks for one, so the same computation rounds the same in every code path.

@@ -39,6 +39,7 @@ class CpuTarget:
     avx512_bf16: bool
     amx: bool
     amx_fp16: bool = False
+    amx_int8: bool = False
 
     @property
     def compile_flags(self) -> list[str]:
@@ -82,4 +83,17 @@ def cpu_target() -> CpuTarget:
     wide = level == "avx512"
     return CpuTarget(level, avx512_bf16=wide and torch.cpu._is_avx512_bf16_supported(),
                      amx=wide and torch.cpu._is_amx_tile_supported(),
-                     amx_fp16=wide and torch.cpu._is_amx_fp16_supported())
+                     amx_fp16=wide and torch.cpu._is_amx_fp16_supported(),
+                     amx_int8=wide and torch.cpu._is_amx_tile_supported() and "amx_int8" in _linux_cpu_flags())
+
+
+def _linux_cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere: torch has no AMX-INT8 query)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()

@@ -19,6 +19,13 @@ last place, 2^-8 / 2^-11 relative. With bf16_gemm (rows above the GEMV's 8), x a
 to bfloat16 (unit roundoff v = 2^-9, rounding to nearest) before the float32 sum, so each product is within
 (1 + v)^2 - 1 of its exact value, and oneDNN's bfloat16 result rounds once more (the AMX kernel's float32 sum
 does not): the bound grows by those terms.
+
+w8 weights with one scale per row, above 8 rows with bf16_gemm, run on AMX-INT8 where the CPU has it: each row of x
+is rounded to integers on its own step s = max |x_row| / 32767, which moves each x_k by at most
+s / 2 + 2^-9 s + 2^-22 |x_k|; the integer sums are exact, and the float32 steps after them (the two sums' widening
+and addition, step * scale, the product, the bias) are at most 5 roundings of the whole result. Against the
+reference's weights fl(q * scale) one rounding more: the bound is
+(0.5 + 2^-9) s * scale * sum_k |q_k| + gamma_8 * (sum_k |x_k w_k| + |bias|), plus the output's rounding.
 """
 
 from __future__ import annotations
@@ -203,6 +210,76 @@ def test_amx_gemm_keeps_float32_sums_where_the_cpu_has_amx(cpu_kernels, monkeypa
     monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "mkl")
     with pytest.raises(RuntimeError, match="OCTAVO_CPU_QUANTIZED_GEMM must be onednn"):
         torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 128, True)
+
+
+def int8_gemm_runs(cpu_kernels) -> bool:
+    """Whether linear_w8 with one scale per row runs on AMX-INT8 above the GEMV's rows here (with bf16_gemm)."""
+    target = cpu_kernels.target
+    return target.level == "avx512" and target.amx and target.avx512_bf16 and target.amx_int8
+
+
+def assert_within_int8_rounding(output: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                bias: torch.Tensor | None) -> None:
+    """linear_w8's AMX-INT8 result against the definition, within the bound of the module docstring."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    weight = dequantize_w8(qweight, scales, qweight.shape[1]).double()
+    bias64 = 0 if bias is None else bias.double()
+    exact = flat @ weight.T + bias64
+    step = flat.abs().amax(dim=1, keepdim=True) / 32767
+    integer_rounding = (0.5 + 2.0 ** -9) * step * (qweight.double().abs() @ torch.ones(qweight.shape[1]).double()
+                                                   * scales.double().reshape(-1)).reshape(1, -1)
+    gamma = 8 * 2.0 ** -24 / (1 - 8 * 2.0 ** -24)
+    magnitude = flat.abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
+    bound = integer_rounding + (2.0 ** -22) * (flat.abs() @ weight.abs().T) + gamma * magnitude
+    bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
+    error = (output.reshape(exact.shape).double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
+
+
+# (rows, N, K): a partial tile of 16 rows; N no multiple of a block of 32; K no multiple of a tile's 64, K split into
+# parts (1536); SmolLM2's shapes.
+INT8_SHAPES = [(9, 37, 100), (33, 300, 200), (64, 96, 1536), (70, 960, 576), (512, 64, 576)]
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), INT8_SHAPES, ids=lambda value: str(value))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_per_row_int8_gemm(rows, n, k, dtype, cpu_kernels, monkeypatch):
+    """Weights with one scale per row above 8 rows: on AMX-INT8 CPUs x's rows rounded to 16-bit integers and the
+    int8 weights multiplied as they are (a tighter bound than bfloat16's), elsewhere the bfloat16 GEMM's bound;
+    OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 asks for the dequantizing AMX GEMM instead."""
+    monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "")
+    generator = torch.Generator().manual_seed(rows + k)
+    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
+    x[0, 3] = 40.0  # an outlier: its row's step is coarse
+    bias = torch.randn(n, generator=generator)
+    qweight, scales = w8_weight(n, k, k, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
+    if int8_gemm_runs(cpu_kernels):
+        assert_within_int8_rounding(output, x, qweight, scales, bias)
+    else:
+        assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, bf16_gemm=True)
+    monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "amx_bf16")
+    dequantizing = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
+    assert_within_rounding(dequantizing, x, dequantize_w8(qweight, scales, k), bias, bf16_gemm=True)
+    if int8_gemm_runs(cpu_kernels) and dtype == torch.float32:
+        assert not torch.equal(output, dequantizing)
+
+
+def test_per_row_int8_gemm_rows_of_zeros_and_non_finite_values(cpu_kernels):
+    """A row of zeros gives the bias exactly; a NaN or an infinity in a row makes that row's outputs NaN or infinite
+    (as a float GEMM's), never finite numbers from saturated integers; the other rows are unaffected."""
+    generator = torch.Generator().manual_seed(21)
+    x = torch.randn(12, 128, generator=generator)
+    x[1] = 0.0
+    x[4, 7] = float("nan")
+    x[6, 100] = float("inf")
+    bias = torch.randn(40, generator=generator)
+    qweight, scales = w8_weight(40, 128, 128, torch.float32, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 128, True)
+    assert torch.equal(output[1], bias)
+    assert not output[4].isfinite().any() and not output[6].isfinite().any()
+    finite = [r for r in range(12) if r not in (4, 6)]
+    assert output[finite].isfinite().all()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])

@@ -18,11 +18,31 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace octavo_cpu {
 
 constexpr int64_t kAmxRows = 32;  // rows of x per block of C
+
+// The allocator of the buffers tiles are loaded from and stored to: each starts on a cache line, so that a tile's
+// 64-byte rows do too (a std::vector's 16-byte start splits every row over two lines: twice the lines to move).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+
+template <typename T>
+using TileVector = std::vector<T, LineAligned<T>>;
 
 // Whether AMX-BF16 runs in this process (the CPU has it and Linux granted the tile state; asked once).
 inline bool amx_bf16_usable() {
@@ -114,8 +134,8 @@ inline void store_sums(const float* sums, int64_t rows, int64_t columns, const f
 
 // The last tile of x [M, lda] zero-padded to 32 rows when M is no multiple of 32 (A tiles read 16 whole rows), else
 // empty.
-inline std::vector<c10::BFloat16> amx_last_tile(const c10::BFloat16* x, int64_t lda, int64_t M) {
-  std::vector<c10::BFloat16> last_tile;
+inline TileVector<c10::BFloat16> amx_last_tile(const c10::BFloat16* x, int64_t lda, int64_t M) {
+  TileVector<c10::BFloat16> last_tile;
   const int64_t tail = M % kAmxRows;
   if (tail != 0) {
     last_tile.assign(kAmxRows * lda, c10::BFloat16(0.f));
@@ -128,12 +148,12 @@ inline std::vector<c10::BFloat16> amx_last_tile(const c10::BFloat16* x, int64_t 
 inline void gemm_amx_bf16(const PackedBf16& w, const float* bias, const c10::BFloat16* x, int64_t lda, int64_t M,
                           c10::BFloat16* out) {
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
-  const std::vector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
+  const TileVector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
   const int64_t chunk = amx_chunk_pairs(w.pairs);
   at::parallel_for(0, w.blocks, 1, [&](int64_t begin, int64_t end) {
     const AmxConfig config;
     amx_configure(config);
-    std::vector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
+    TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, w.N - n0);
       for (int64_t first = 0; first < w.pairs; first += chunk) {

@@ -93,21 +93,20 @@ inline void transpose_block(const c10::BFloat16* rows, int64_t lda, int64_t pair
 }
 
 // out [M, N] (float32) = x [M, lda] (bfloat16, K padded with zeros to lda = 2 * packed_pairs(K)) @ W.T (+ bias).
-template <typename W>
-void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias,
-                           float* out) {
+template <typename W, typename T>
+void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
   const int64_t N = w.N, K = w.K, pairs = packed_pairs(K);
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
-  const std::vector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
+  const TileVector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
   const int64_t blocks = (N + kBf16BlockColumns - 1) / kBf16BlockColumns;
   const int64_t chunk = amx_chunk_pairs(pairs);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const AmxConfig config;
     amx_configure(config);
     std::vector<c10::BFloat16> rows(kBf16BlockColumns * lda, c10::BFloat16(0.f));  // K's padding stays zero
-    std::vector<uint32_t> words(pairs * kBf16BlockColumns);
+    TileVector<uint32_t> words(pairs * kBf16BlockColumns);
     std::vector<float> scratch(K);
-    std::vector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
+    TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
       for (int64_t i = 0; i < columns; ++i) dequantize_row_bf16(w, n0 + i, rows.data() + i * lda, scratch.data());

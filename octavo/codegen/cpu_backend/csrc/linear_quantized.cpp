@@ -1,28 +1,35 @@
 // octavo_cpu::linear_w8 / linear_w4 / linear_fp8: x @ W.T (+ bias) over the int8, 4-bit and float8_e4m3fn weight
 // layouts of octavo.ir.quantized_layout (semantics: octavo.ir.ops.quantized_linear, same schemas), never stored
 // dequantized: decode reads the int8 / int4 / fp8 bytes. x, the accumulation, the bias and the result are float32; x of another float
-// dtype is widened first and the result rounded to it once at the end.
+// dtype is widened first and the result rounded to it once at the end (the AMX GEMM reads a bfloat16 x as it is and
+// rounds its sums to x's dtype as it stores them: the same values without the float32 copies).
 //
 // Up to kGemvRows rows of x: a streaming kernel that reads every weight once and keeps the rows of x in cache
-// (memory-bound by design). More rows with bf16_gemm on CPUs with AMX-BF16 (AVX-512 build): the AMX GEMM of
-// gemm_amx_dequantizing.h, which dequantizes 32 weight rows at a time into packed bfloat16 tiles (on SmolLM2's
-// shapes, 2 threads: 0.45x oneDNN's time at 16 and 64 rows, 0.66x at 512). More rows otherwise: a tile of output
-// columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
-// OCTAVO_CPU_QUANTIZED_GEMM=onednn sends the AMX CPUs' rows to the BLAS GEMM too, for comparisons and tests (read
-// at every call above the GEMV's rows).
+// (memory-bound by design). More rows with bf16_gemm on CPUs with AMX-BF16 (AVX-512 build): int8 weights with one
+// scale per row on CPUs with AMX-INT8 take gemm_amx_int8.h, which multiplies the int8 bytes as they are by x's rows
+// rounded to 16-bit integers (on SmolLM2's shapes, 2 threads: about linear_bf16's time at 64 rows, 1.15x at 512);
+// the other layouts the AMX GEMM of gemm_amx_dequantizing.h, which dequantizes 32 weight rows at a time into
+// packed bfloat16 tiles (0.45x oneDNN's time at 16 and 64 rows, 0.66x at 512). More rows otherwise: a tile of
+// output columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
+// OCTAVO_CPU_QUANTIZED_GEMM=onednn sends the AMX CPUs' rows to the BLAS GEMM too, =amx_bf16 every layout to the
+// dequantizing AMX GEMM, for comparisons and tests (read at every call above the GEMV's rows).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
-// - w4 and fp8 (every path) and the w8 GEMM: each weight dequantized exactly as the layout defines it (w8 and fp8:
-//   float(q) * scale; w4: float(q) * scale, then + offset), then out = sum over k of x * weight (+ bias).
+// - w4 and fp8 (every path) and the w8 GEMM but its AMX-INT8 one: each weight dequantized exactly as the layout
+//   defines it (w8 and fp8: float(q) * scale; w4: float(q) * scale, then + offset), then out = sum over k of
+//   x * weight (+ bias).
+// - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
+//   own, exact integer sums, scaled once (see gemm_amx_int8.h).
 // - w8 GEMV (gemv_int8.h), for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
 // bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized weights rounded to bfloat16
 // (relative error 2^-9 each), products summed in float32 (AMX tiles or oneDNN), the bias added in float32; oneDNN's
-// result is rounded to bfloat16 once more and widened, the AMX one stays float32. Only the rows above kGemvRows
-// are affected; the GEMV is float32 always.
+// result is rounded to bfloat16 once more and widened, the AMX one stays float32 (per-row int8 weights on AMX-INT8
+// CPUs take the integer GEMM instead). Only the rows above kGemvRows are affected; the GEMV is float32 always.
 #include "gemm_amx_dequantizing.h"
+#include "gemm_amx_int8.h"
 #include "gemv_dequantizing.h"
 #include "vec_utils.h"
 
@@ -37,6 +44,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace octavo_cpu {
@@ -106,10 +114,72 @@ at::Tensor group_parameters(const char* name, const char* role, const at::Tensor
   return t.to(at::kFloat).contiguous();
 }
 
-// Checks x and bias, runs `compute(x as float32 [M, K], bias as float32, out float32 [M, N])`, shapes the result.
-template <typename Compute>
-at::Tensor run_linear(const char* name, const at::Tensor& input, int64_t N, int64_t K,
-                      const std::optional<at::Tensor>& bias, const Compute& compute) {
+// Where a bf16_gemm above the GEMV's rows runs.
+enum class QuantizedGemm {
+  kOneDnn,   // dequantized tiles into oneDNN's GEMM
+  kAmxBf16,  // gemm_amx_dequantizing.h
+  kAmx,      // gemm_amx_int8.h for int8 weights with one scale per row where the CPU has AMX-INT8, else kAmxBf16
+};
+
+// The CPU's choice (AMX where the build and the CPU have AMX-BF16 and AVX512_BF16, which rounds the dequantized
+// weights to bfloat16 in registers), or what OCTAVO_CPU_QUANTIZED_GEMM asks for: onednn, or amx_bf16 (the
+// dequantizing AMX GEMM for every layout), for comparisons and tests. Read at every call above the GEMV's rows.
+QuantizedGemm quantized_gemm_choice() {
+  const char* env = std::getenv("OCTAVO_CPU_QUANTIZED_GEMM");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "onednn" || choice == "amx_bf16",
+              "OCTAVO_CPU_QUANTIZED_GEMM must be onednn or amx_bf16 (or unset), got ", choice);
+#if defined(CPU_CAPABILITY_AVX512)
+  if (choice == "onednn" || !amx_bf16_usable() || !cpu_has_avx512_bf16()) return QuantizedGemm::kOneDnn;
+  return choice.empty() ? QuantizedGemm::kAmx : QuantizedGemm::kAmxBf16;
+#else
+  return QuantizedGemm::kOneDnn;
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The AMX GEMMs straight from x's own dtype to out's: each sum rounded to x's dtype once as it is stored, so a
+// bfloat16 model's activations never pass through float32 tensors (at 512 rows those copies took as long as the
+// GEMM's dequantizing). The dequantizing GEMM reads x rounded to bfloat16 (a bfloat16 x as it is, its K padded only
+// where it is no whole number of tiles).
+template <typename T, typename W>
+at::Tensor amx_linear_as(const W& w, const at::Tensor& x, const float* bias, QuantizedGemm choice) {
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, w.N}, x.options());
+  if constexpr (std::is_same_v<W, Int8Weight>) {
+    if (choice == QuantizedGemm::kAmx && w.groups == 1 && w.K < kInt8GemmMaxK && amx_int8_usable()) {
+      gemm_amx_int8(w.q, w.scales, w.N, w.K, x.const_data_ptr<T>(), M, bias, out.data_ptr<T>());
+      return out;
+    }
+  }
+  const int64_t lda = 2 * packed_pairs(w.K);
+  const at::Tensor a = padded(x, lda, at::kBFloat16);
+  gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias, out.data_ptr<T>());
+  return out;
+}
+
+template <typename W>
+at::Tensor amx_linear(const W& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias,
+                      QuantizedGemm choice) {
+  const at::Tensor x = rows.contiguous();
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      return amx_linear_as<c10::BFloat16>(w, x, bias_data, choice);
+    case at::kHalf:
+      return amx_linear_as<c10::Half>(w, x, bias_data, choice);
+    default:
+      return amx_linear_as<float>(w, x, bias_data, choice);
+  }
+}
+#endif
+
+// x @ W.T (+ bias) for x [..., K] of any float dtype: checks x and bias, computes in float32 (the AMX GEMM from x's
+// own dtype where bf16_gemm chose it), shapes the result.
+template <typename W>
+at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, const std::optional<at::Tensor>& bias,
+                      bool bf16_gemm) {
+  const int64_t N = w.N, K = w.K;
   TORCH_CHECK(input.device().is_cpu() && is_float(input), name,
               ": input must be a float32, bfloat16 or float16 CPU tensor, got ", input.scalar_type(), " on ",
               input.device());
@@ -121,48 +191,29 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, int64_t N, int6
                 ": bias must be a float tensor [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor x = input.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
+  const at::Tensor rows = input.reshape({-1, K});
+  const int64_t M = rows.size(0);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0) compute(x, b, out);
-  return out.to(input.scalar_type()).view(shape);
-}
-
-// Whether a bf16_gemm above the GEMV's rows runs on AMX tiles: the build and the CPU have them (and AVX512_BF16,
-// which rounds the dequantized weights to bfloat16 in registers) and
-// OCTAVO_CPU_QUANTIZED_GEMM does not ask for oneDNN.
-bool amx_gemm_chosen() {
-  const char* env = std::getenv("OCTAVO_CPU_QUANTIZED_GEMM");
-  const std::string choice = env == nullptr ? "" : env;
-  TORCH_CHECK(choice.empty() || choice == "onednn", "OCTAVO_CPU_QUANTIZED_GEMM must be onednn (or unset), got ",
-              choice);
 #if defined(CPU_CAPABILITY_AVX512)
-  return choice.empty() && amx_bf16_usable() && cpu_has_avx512_bf16();  // every AMX-BF16 CPU so far has both
+  if (M > kGemvRows && N > 0 && bf16_gemm) {
+    const QuantizedGemm choice = quantized_gemm_choice();
+    if (choice != QuantizedGemm::kOneDnn) return amx_linear(w, rows, b, choice).view(shape);
+  }
 #else
-  return false;
+  if (M > kGemvRows && bf16_gemm) quantized_gemm_choice();  // a bad value is refused on every build
 #endif
-}
-
-template <typename W>
-void compute(const W& w, const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
-             bool bf16_gemm) {
-  const int64_t M = x.size(0);
-  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
-  if (M <= kGemvRows) {
-    gemv_for(M, w, x.const_data_ptr<float>(), bias_data, out.data_ptr<float>());
-    return;
+  const at::Tensor x = rows.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const float* bias_data = b ? b->const_data_ptr<float>() : nullptr;
+    if (M <= kGemvRows) {
+      gemv_for(M, w, x.const_data_ptr<float>(), bias_data, out.data_ptr<float>());
+    } else {
+      tiled_gemm(w, x, b, out, bf16_gemm);
+    }
   }
-  if (bf16_gemm && amx_gemm_chosen()) {
-#if defined(CPU_CAPABILITY_AVX512)
-    const int64_t lda = 2 * packed_pairs(w.K);
-    const at::Tensor a = padded(x, lda, at::kBFloat16);  // rounded to nearest even, K padded to whole tiles
-    gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias_data, out.data_ptr<float>());
-    return;
-#endif
-  }
-  tiled_gemm(w, x, bias, out, bf16_gemm);
+  return out.to(input.scalar_type()).view(shape);
 }
 
 at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
@@ -173,10 +224,9 @@ at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const a
   const int64_t N = qweight.size(0), K = qweight.size(1), groups = (K + group_size - 1) / group_size;
   const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
-  return run_linear("linear_w8", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
-    compute(Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, x, b, out,
-            bf16_gemm);
-  });
+  return run_linear("linear_w8", input,
+                    Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, bias,
+                    bf16_gemm);
 }
 
 at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
@@ -190,11 +240,10 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor s = group_parameters("linear_w4", "scales", scales, N, groups, group_size);
   const at::Tensor o = group_parameters("linear_w4", "offsets", offsets, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
-  return run_linear("linear_w4", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
-    compute(Int4Weight{q.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(), o.const_data_ptr<float>(), N, K,
-                       group_size, groups},
-            x, b, out, bf16_gemm);
-  });
+  return run_linear("linear_w4", input,
+                    Int4Weight{q.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(), o.const_data_ptr<float>(), N, K,
+                               group_size, groups},
+                    bias, bf16_gemm);
 }
 
 at::Tensor linear_fp8(const at::Tensor& input, const at::Tensor& qweight, const at::Tensor& scales,
@@ -208,10 +257,9 @@ at::Tensor linear_fp8(const at::Tensor& input, const at::Tensor& qweight, const 
               scales.sizes());
   const at::Tensor s = scales.reshape({N}).to(at::kFloat).contiguous();
   const at::Tensor q = qweight.contiguous();
-  return run_linear("linear_fp8", input, N, K, bias, [&](const at::Tensor& x, const auto& b, at::Tensor& out) {
-    compute(Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), s.const_data_ptr<float>(), N, K, K, 1}, x, b, out,
-            bf16_gemm);
-  });
+  return run_linear("linear_fp8", input,
+                    Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), s.const_data_ptr<float>(), N, K, K, 1}, bias,
+                    bf16_gemm);
 }
 
 }  // namespace
