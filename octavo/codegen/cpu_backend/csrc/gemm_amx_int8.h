@@ -197,7 +197,7 @@ __attribute__((target("avx512bf16"))) inline void store_row(__m512 low, __m512 h
 // and c < columns.
 template <typename T>
 void store_int8_sums(const int32_t* high_sums, const int32_t* low_sums, const float* step, int64_t m0, int64_t rows,
-                     const float* scales, const float* bias, int64_t n0, int64_t columns, T* out, int64_t N) {
+                     const Parameters& scales, const float* bias, int64_t n0, int64_t columns, T* out, int64_t N) {
   __at_align__ float scale[kBf16BlockColumns] = {}, added[kBf16BlockColumns] = {}, row[kBf16BlockColumns];
   for (int64_t c = 0; c < columns; ++c) {
     scale[c] = scales[n0 + c];
@@ -223,7 +223,7 @@ void store_int8_sums(const int32_t* high_sums, const int32_t* low_sums, const fl
 // widening), and runs every 16 rows of x's planes past it, a part of K at a time (amx_chunk_pairs: each part of the
 // block stays in L1 while x's rows stream past it; the sums wait in memory between parts).
 template <typename T>
-void gemm_amx_int8(const int8_t* q, const float* scales, int64_t N, int64_t K, const T* x, int64_t M,
+void gemm_amx_int8(const int8_t* q, const Parameters& scales, int64_t N, int64_t K, const T* x, int64_t M,
                    const float* bias, T* out) {
   const SplitRows split = split_rows(x, M, K);
   const int64_t Kpad = split.Kpad, quads = Kpad / 4, tile_sums = kAmxTileRows * kBf16BlockColumns;

@@ -47,7 +47,7 @@ struct Int8Weight {
   static constexpr bool kNeedsEvenStart = false;
   static constexpr bool kSplitsColumns = false;
   const int8_t* q;
-  const float* scales;
+  Parameters scales;
   int64_t N, K, group_size, groups;
 
   float scale(int64_t n, int64_t g) const { return scales[n * groups + g]; }
@@ -56,7 +56,7 @@ struct Int8Weight {
   float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
   int64_t row_bytes() const { return K; }
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(q) + n * K; }
-  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales + i); }
+  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales.address(i)); }
 };
 
 // w4: W[n, k] = float(nibble k of row n) * scales[n, g] + offsets[n, g], g = k / group_size.
@@ -70,8 +70,8 @@ struct Int4Weight {
   static constexpr bool kSplitsColumns = false;
 #endif
   const uint8_t* q;
-  const float* scales;
-  const float* offsets;
+  Parameters scales;
+  Parameters offsets;
   int64_t N, K, group_size, groups;
 
   float scale(int64_t n, int64_t g) const { return scales[n * groups + g]; }
@@ -86,8 +86,8 @@ struct Int4Weight {
   int64_t row_bytes() const { return K / 2; }
   const uint8_t* row(int64_t n) const { return q + n * (K / 2); }
   void prefetch_parameters(int64_t i) const {
-    __builtin_prefetch(scales + i);
-    __builtin_prefetch(offsets + i);
+    __builtin_prefetch(scales.address(i));
+    __builtin_prefetch(offsets.address(i));
   }
 };
 
@@ -97,7 +97,7 @@ struct Fp8Weight {
   static constexpr bool kNeedsEvenStart = false;
   static constexpr bool kSplitsColumns = false;
   const c10::Float8_e4m3fn* q;
-  const float* scales;
+  Parameters scales;
   int64_t N, K, group_size, groups;
 
   float scale(int64_t n, int64_t) const { return scales[n]; }
@@ -106,7 +106,7 @@ struct Fp8Weight {
   float value(int64_t n, int64_t k, float s, float) const { return static_cast<float>(q[n * K + k]) * s; }
   int64_t row_bytes() const { return K; }
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(q) + n * K; }
-  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales + i); }
+  void prefetch_parameters(int64_t i) const { __builtin_prefetch(scales.address(i)); }
 };
 
 // Columns [begin, end) of one group: the first column whose vectors can start there, and the end of the vectors.

@@ -105,13 +105,21 @@ bool is_float(const at::Tensor& t) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
 }
 
-// The group-wise parameters (scales or offsets) as float32 [N, groups] (widening is exact).
+// The group-wise parameters (scales or offsets) [N, groups], contiguous, in their own float dtype (read as float32
+// where used).
 at::Tensor group_parameters(const char* name, const char* role, const at::Tensor& t, int64_t N, int64_t groups,
                             int64_t group_size) {
   TORCH_CHECK(t.device().is_cpu() && is_float(t) && t.dim() == 2 && t.size(0) == N && t.size(1) == groups, name,
               ": ", role, " must be a float16, bfloat16 or float32 tensor [", N, ", ", groups, "] (group size ",
               group_size, "), got ", t.scalar_type(), " ", t.sizes());
-  return t.to(at::kFloat).contiguous();
+  return t.contiguous();
+}
+
+Parameters parameters_of(const at::Tensor& t) {
+  const auto type = t.scalar_type() == at::kHalf       ? Parameters::Type::kHalf
+                    : t.scalar_type() == at::kBFloat16 ? Parameters::Type::kBFloat16
+                                                       : Parameters::Type::kFloat;
+  return Parameters{t.const_data_ptr(), type};
 }
 
 // Where a bf16_gemm above the GEMV's rows runs.
@@ -225,7 +233,7 @@ at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
   return run_linear("linear_w8", input,
-                    Int8Weight{q.const_data_ptr<int8_t>(), s.const_data_ptr<float>(), N, K, group_size, groups}, bias,
+                    Int8Weight{q.const_data_ptr<int8_t>(), parameters_of(s), N, K, group_size, groups}, bias,
                     bf16_gemm);
 }
 
@@ -241,7 +249,7 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor o = group_parameters("linear_w4", "offsets", offsets, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
   return run_linear("linear_w4", input,
-                    Int4Weight{q.const_data_ptr<uint8_t>(), s.const_data_ptr<float>(), o.const_data_ptr<float>(), N, K,
+                    Int4Weight{q.const_data_ptr<uint8_t>(), parameters_of(s), parameters_of(o), N, K,
                                group_size, groups},
                     bias, bf16_gemm);
 }
@@ -255,10 +263,10 @@ at::Tensor linear_fp8(const at::Tensor& input, const at::Tensor& qweight, const 
   TORCH_CHECK(scales.device().is_cpu() && is_float(scales) && scales.numel() == N, "linear_fp8: scales must be a ",
               "float tensor of ", N, " values (one per output channel), got ", scales.scalar_type(), " ",
               scales.sizes());
-  const at::Tensor s = scales.reshape({N}).to(at::kFloat).contiguous();
+  const at::Tensor s = scales.reshape({N}).contiguous();
   const at::Tensor q = qweight.contiguous();
   return run_linear("linear_fp8", input,
-                    Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), s.const_data_ptr<float>(), N, K, K, 1}, bias,
+                    Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), parameters_of(s), N, K, K, 1}, bias,
                     bf16_gemm);
 }
 
