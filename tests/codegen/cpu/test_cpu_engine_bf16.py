@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from octavo.config import EngineConfig
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
+from tests.codegen.cpu.engine_pairs import sampled
 
 PROMPT_LENGTHS = [6, 23, 1]
 MAX_TOKENS = 5
@@ -35,16 +36,6 @@ def make_engine(artifact, executor: str) -> LLMEngine:
 def hf_last_logits(model, context: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([context]), logits_to_keep=1).logits[0, -1].float()
-
-
-def sampled(engine: LLMEngine) -> dict[str, tuple[list[int], torch.Tensor]]:
-    """Request id -> (the context its last step's logits row follows, that row), for the rows the step sampled."""
-    record = engine.last_step
-    rows = {}
-    for row, index in enumerate(record.inputs.sampled_rows):
-        seq = record.schedule.scheduled[index].seq
-        rows[seq.request_id] = (seq.token_ids[:seq.num_computed_tokens], record.logits[row].float())
-    return rows
 
 
 def test_compiled_bf16_graph_runs_the_native_linear(tiny_quantized_artifact, tiny_model_dir, cpu_kernels, one_thread,
