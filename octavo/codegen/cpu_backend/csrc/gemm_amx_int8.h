@@ -79,8 +79,8 @@ float split_row(const T* row, int64_t K, int8_t* high, uint8_t* low) {
   // A NaN in the row makes its step NaN and an infinity makes it infinite (its xi are then 0): either way the
   // row's outputs are NaN, as a float GEMM's would be, instead of finite values from saturated integers.
   if (any_nan) amax = std::numeric_limits<float>::quiet_NaN();
-  const bool scaled = amax > 0.f && std::isfinite(amax);
-  const float step = amax == 0.f ? 1.f : amax / 32767.f, inverse = scaled ? 32767.f / amax : 0.f;
+  const bool finite_nonzero = amax > 0.f && std::isfinite(amax);
+  const float step = amax == 0.f ? 1.f : amax / 32767.f, inverse = finite_nonzero ? 32767.f / amax : 0.f;
   const __m512 factor = _mm512_set1_ps(inverse), bound = _mm512_set1_ps(32767.f);
   k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -118,7 +118,9 @@ SplitRows split_rows(const T* x, int64_t M, int64_t K) {
   uint8_t* const low_plane = low.data();
   float* const steps = step.data();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) steps[m] = split_row(x + m * K, K, high_plane + m * Kpad, low_plane + m * Kpad);
+    for (int64_t m = begin; m < end; ++m) {
+      steps[m] = split_row(x + m * K, K, high_plane + m * Kpad, low_plane + m * Kpad);
+    }
   });
   return split;
 }
