@@ -37,10 +37,6 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp", "linear_bf16.cpp", "argmax_rows.cpp",
            "moe.cpp", "shm_collectives.cpp")
-HEADERS = ("vec_utils.h", "gemv_int8.h", "gemv_dequantizing.h", "paged_attention_types.h", "paged_cache_write.h",
-           "paged_decode.h", "paged_decode_bf16.h", "paged_decode_int8.h", "paged_prefill.h", "paged_prefill_bf16.h",
-           "paged_schedule.h", "prefill_aten.h", "bf16_packing.h", "gemv_bf16.h", "gemm_amx_bf16.h",
-           "gemm_amx_dequantizing.h", "gemm_amx_int8.h")
 LIBRARY_NAME = "octavo_cpu_kernels"
 # No -ffast-math: results must not depend on how the compiler reassociates. Contraction off: an FMA
 # only where the source asks for one, so the same computation rounds the same in every code path.
@@ -102,12 +98,18 @@ def compile_flags(target: CpuTarget) -> list[str]:
     return [*BASE_FLAGS, *target.compile_flags]
 
 
+def source_files() -> list[Path]:
+    """Every C++ source and header in csrc/, by name: any of them edited is another build, with no list of headers
+    to keep (a header left off one would leave its edits out of the key, and an old library in use)."""
+    return sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h"))
+
+
 def library_key(target: CpuTarget) -> str:
     """sha256 over the sources, the compiler and its flags, the ISA level and the torch version."""
     digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update(name.encode())
-        digest.update((SOURCE_DIR / name).read_bytes())
+    for path in source_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     digest.update(json.dumps({"flags": compile_flags(target), "link": list(LINK_FLAGS), "level": target.level,
                               "compiler": _compiler(), "torch": torch.__version__}).encode())
     return digest.hexdigest()[:16]

@@ -9,6 +9,7 @@ import sysconfig
 import torch
 from torch.utils import cpp_extension
 
+from octavo.codegen.cpu_backend import build
 from octavo.codegen.cpu_backend.build import (
     KERNELS_DIR_ENV,
     SOURCE_DIR,
@@ -35,6 +36,27 @@ def test_each_isa_level_gets_its_own_build(tmp_path, monkeypatch):
     assert library_key(CpuTarget("avx512", True, True)) == keys["avx512"]
     monkeypatch.setenv(KERNELS_DIR_ENV, str(tmp_path))
     assert library_dir(CpuTarget("avx2", False, False)) == tmp_path / f"avx2-{keys['avx2']}"
+
+
+def test_an_edit_to_any_source_or_header_is_another_build(tmp_path, monkeypatch):
+    """The key reads every .cpp and .h in csrc/: one byte more in any of them, or a new header, changes it."""
+    target = CpuTarget("avx2", False, False)
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for path in SOURCE_DIR.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", copy)
+    before = library_key(target)
+    assert before == library_key(target)
+    keys = {before}
+    for path in sorted(copy.iterdir()):
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        keys.add(library_key(target))
+        path.write_bytes(original)
+    (copy / "new_kernel.h").write_text("#pragma once\n")
+    keys.add(library_key(target))
+    assert len(keys) == len(list(SOURCE_DIR.iterdir())) + 2
 
 
 def test_a_changed_compiler_is_another_build(monkeypatch):
