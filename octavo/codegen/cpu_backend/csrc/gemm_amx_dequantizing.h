@@ -53,9 +53,12 @@ inline void transpose_16x16(const __m512i (&rows)[16], __m512i (&out)[16]) {
   }
 }
 
-// The 32 floats of `low` then `high` rounded to bfloat16 (nearest even; below 2^-126 in magnitude: zero).
-__attribute__((target("avx512bf16"))) inline void store_bf16(__m512 low, __m512 high, c10::BFloat16* dst) {
-  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+// The first `count` (at most 32) of the floats of `low` then `high` rounded to bfloat16 (nearest even; below 2^-126
+// in magnitude: zero) into dst.
+__attribute__((target("avx512bf16"))) inline void store_bf16(__m512 low, __m512 high, c10::BFloat16* dst,
+                                                             int64_t count = 32) {
+  const __mmask32 mask = count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1;
+  _mm512_mask_storeu_epi16(dst, mask, (__m512i)_mm512_cvtne2ps_pbh(high, low));
 }
 
 // dst[0:K] = W[n, :] dequantized as the layout defines it (float32), rounded to bfloat16: whole pairs of vectors

@@ -46,16 +46,6 @@ struct SplitRows {
   const float* step;    // [M]
 };
 
-// 16 values of x from `p` as float32 (exact).
-inline __m512 load_floats(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_floats(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load_floats(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // xi = round(row / step) into high[0:K] and low[0:K], step = max |row| / 32767 (1 where the row is all zeros); the
 // division is a multiplication by 32767 / max |row|, which moves xi by at most one where row / step lies within
 // float32 rounding of a half-integer.
@@ -65,7 +55,7 @@ float split_row(const T* row, int64_t K, int8_t* high, uint8_t* low) {
   __mmask16 nan = 0;  // vmaxps drops a NaN in its first operand: NaNs are looked for on their own
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    const __m512 v = load_floats(row + k);
+    const __m512 v = load_widened(row + k);
     largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
@@ -84,7 +74,7 @@ float split_row(const T* row, int64_t K, int8_t* high, uint8_t* low) {
   const __m512 factor = _mm512_set1_ps(inverse), bound = _mm512_set1_ps(32767.f);
   k = 0;
   for (; k + 16 <= K; k += 16) {
-    const __m512 scaled = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(load_floats(row + k), factor), -bound), bound);
+    const __m512 scaled = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(load_widened(row + k), factor), -bound), bound);
     const __m512i xi = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(high + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(xi, 8)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(low + k), _mm512_cvtepi32_epi8(xi));
@@ -189,10 +179,8 @@ inline void store_row(__m512 low, __m512 high, float* row, T* dst, int64_t colum
   at::vec::convert(row, dst, columns);
 }
 
-__attribute__((target("avx512bf16"))) inline void store_row(__m512 low, __m512 high, float*, c10::BFloat16* dst,
-                                                            int64_t columns) {
-  const __mmask32 mask = columns >= 32 ? ~__mmask32(0) : (__mmask32(1) << columns) - 1;
-  _mm512_mask_storeu_epi16(dst, mask, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+inline void store_row(__m512 low, __m512 high, float*, c10::BFloat16* dst, int64_t columns) {
+  store_bf16(low, high, dst, columns);
 }
 
 // out[m, n0 + c] = T((256 * high + low) * (step[m] * scale[n0 + c]) + bias[n0 + c]) for the rows m0 .. m0 + rows - 1
