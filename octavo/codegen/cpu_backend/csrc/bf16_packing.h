@@ -10,9 +10,11 @@
 // artifact or the compiled package, so the weight stays one copy, memory-mapped or a constant of the package),
 // and packs it at its first call. The packed copy is kept for as long as the weight's storage lives: keyed by
 // the weight's data pointer and shape, and valid while a weak reference to its storage holds and its version
-// counter (in-place writes) is unchanged. Entries of freed storages are dropped at the next packing.
+// counter (in-place writes) is unchanged. Entries of freed storages are dropped at the next packing. Packed
+// weights live side by side in the huge-page arena (huge_pages.h): the GEMV streams them on 2 MiB pages.
 #pragma once
 
+#include "huge_pages.h"
 #include "vec_utils.h"
 
 #include <ATen/core/Tensor.h>
@@ -41,7 +43,7 @@ inline int64_t packed_pairs(int64_t K) { return round_up(K, kBf16Depth) / 2; }
 inline at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1), pairs = packed_pairs(K);
   const int64_t blocks = (N + kBf16BlockColumns - 1) / kBf16BlockColumns;
-  at::Tensor packed = at::empty({blocks, pairs, kBf16BlockColumns}, weight.options().dtype(at::kInt));
+  at::Tensor packed = HugePageArena::instance().empty({blocks, pairs, kBf16BlockColumns}, at::kInt);
   const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr());
   auto* words = reinterpret_cast<uint32_t*>(packed.mutable_data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {

@@ -113,6 +113,13 @@ at::Tensor linear_bf16(const at::Tensor& input, const at::Tensor& weight, const 
 
 int64_t linear_bf16_packings() { return PackedWeightCache::instance().packings(); }
 
+at::Tensor linear_bf16_packed(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "linear_bf16_packed: weight must be a 2-d bfloat16 CPU tensor, got ", weight.scalar_type(), " ",
+              weight.sizes());
+  return PackedWeightCache::instance().get(weight.contiguous());
+}
+
 }  // namespace
 }  // namespace octavo_cpu
 
@@ -121,6 +128,9 @@ TORCH_LIBRARY_FRAGMENT(octavo_cpu, m) {
   // How many weights linear_bf16 has packed in this process: a graph that reuses its packed copies packs each of
   // its weights once, however many steps it runs.
   m.def("linear_bf16_packings() -> int", &octavo_cpu::linear_bf16_packings);
+  // The packed copy linear_bf16 multiplies by (bf16_packing.h's layout, int32 [blocks, pairs, 32]), packed now
+  // unless packed already: for tests and diagnostics.
+  m.def("linear_bf16_packed(Tensor weight) -> Tensor", &octavo_cpu::linear_bf16_packed);
 }
 
 TORCH_LIBRARY_IMPL(octavo_cpu, CPU, m) { m.impl("linear_bf16", &octavo_cpu::linear_bf16); }

@@ -20,9 +20,10 @@
 #include "prefill_aten.h"
 #include "vec_utils.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -331,10 +332,42 @@ void dispatch_cache_type(at::ScalarType type, const F& body) {
   }
 }
 
+constexpr int64_t kConvertRowsPerTask = 256;  // rows a task widens or narrows: a decode step's few run inline
+
+// t [tokens, heads, dim] (float, bfloat16 or float16; its last dim contiguous, the others any stride) as float
+// rows of `padded` values, zero past dim. The conversion runs here rather than through ATen's copy: at a decode
+// step's handful of rows the dispatch of .to() and .contiguous() cost more than the conversion itself.
 at::Tensor padded_float(const at::Tensor& t, int64_t padded) {
-  if (t.size(-1) == padded) return t.to(at::kFloat).contiguous();  // no padding to zero
-  at::Tensor result = at::zeros({t.size(0), t.size(1), padded}, t.options().dtype(at::kFloat));
-  result.narrow(2, 0, t.size(2)).copy_(t);
+  if (t.stride(2) != 1) return padded_float(t.contiguous(), padded);
+  const int64_t heads = t.size(1), dim = t.size(2), rows = t.size(0) * heads;
+  at::Tensor result = at::empty({t.size(0), heads, padded}, t.options().dtype(at::kFloat));
+  float* out = result.data_ptr<float>();
+  const int64_t token_stride = t.stride(0), head_stride = t.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "padded_float", [&] {
+    const scalar_t* data = t.const_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kConvertRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* row = out + r * padded;
+        widen<scalar_t>(data + (r / heads) * token_stride + (r % heads) * head_stride, dim, row);
+        std::fill(row + dim, row + padded, 0.f);
+      }
+    });
+  });
+  return result;
+}
+
+// The first `dim` values of each float row of `padded` (rows [tokens, heads]) as a contiguous [tokens, heads, dim]
+// tensor of `dtype`, rounded to nearest even as ATen's .to() rounds.
+at::Tensor narrowed_rows(const at::Tensor& rows_f, int64_t dim, at::ScalarType dtype) {
+  const int64_t heads = rows_f.size(1), padded = rows_f.size(2), rows = rows_f.size(0) * heads;
+  at::Tensor result = at::empty({rows_f.size(0), heads, dim}, rows_f.options().dtype(dtype));
+  const float* in = rows_f.const_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "narrowed_rows", [&] {
+    scalar_t* out = result.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kConvertRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) at::vec::convert(in + r * padded, out + r * dim, dim);
+    });
+  });
   return result;
 }
 
@@ -430,7 +463,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   if (by_aten.empty()) {
     if (query.scalar_type() == at::kFloat && padded_value_dim == value_dim) return output_f;
     // Contiguous like the reference op's result: graphs view it as [tokens, heads * value_dim].
-    return output_f.narrow(2, 0, value_dim).to(query.scalar_type()).contiguous();
+    return narrowed_rows(output_f, value_dim, query.scalar_type());
   }
   at::Tensor result = at::empty({num_tokens, num_heads, value_dim}, query.options());
   const AtenPrefill aten{query, key, value, key_cache, value_cache, tables, scale};
