@@ -24,7 +24,9 @@
 #include <string>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <utility>
+#include <vector>
 
 namespace octavo_cpu {
 
@@ -111,5 +113,29 @@ class HugePageArena {
   std::mutex mutex_;
   std::shared_ptr<Chunk> current_;
 };
+
+// Asks Linux to move the 2 MiB pages that hold [data, data + bytes) onto huge pages (MADV_COLLAPSE, Linux 6.1 and
+// later): for weights the kernels read where they lie (a compiled graph's constants, an eager engine's tensors)
+// instead of a packed copy. Once per range and once per page for the life of the process, and only where
+// huge_pages_wanted(). The memory must be mapped and written; every byte of those pages keeps its value, whatever it
+// belongs to. A page Linux refuses (past the mapping, file-backed, an older kernel) stays as it is.
+inline void collapse_to_huge_pages(const void* data, int64_t bytes) {
+#ifndef MADV_COLLAPSE
+  constexpr int MADV_COLLAPSE = 25;  // Linux 6.1's value, for older headers
+#endif
+  static std::mutex mutex;
+  static std::set<uintptr_t> ranges, pages;
+  if (bytes <= 0 || !huge_pages_wanted()) return;
+  const uintptr_t page = static_cast<uintptr_t>(kHugePageBytes), begin = reinterpret_cast<uintptr_t>(data);
+  std::vector<uintptr_t> todo;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!ranges.insert(begin).second) return;
+    for (uintptr_t p = begin / page * page; p < begin + static_cast<uintptr_t>(bytes); p += page) {
+      if (pages.insert(p).second) todo.push_back(p);
+    }
+  }
+  for (uintptr_t p : todo) madvise(reinterpret_cast<void*>(p), page, MADV_COLLAPSE);
+}
 
 }  // namespace octavo_cpu

@@ -20,17 +20,22 @@
 //   x * weight (+ bias).
 // - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
 //   own, exact integer sums, scaled once (see gemm_amx_int8.h).
-// - w8 GEMV (gemv_int8.h), for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
+// - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AVX512_VNNI CPUs (gemv_int8_vnni.h): the
+//   AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to integers, exact sums, scaled once).
+// - w8 GEMV (gemv_int8.h) otherwise, for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
 // bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized weights rounded to bfloat16
 // (relative error 2^-9 each), products summed in float32 (AMX tiles or oneDNN), the bias added in float32; oneDNN's
 // result is rounded to bfloat16 once more and widened, the AMX one stays float32 (per-row int8 weights on AMX-INT8
-// CPUs take the integer GEMM instead). Only the rows above kGemvRows are affected; the GEMV is float32 always.
+// CPUs take the integer GEMM instead). Only the rows above kGemvRows are affected, and a bfloat16 / float16 x's
+// GEMV rows with per-row int8 weights on AVX512_VNNI CPUs (the integer GEMV); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
 #include "gemm_amx_int8.h"
 #include "gemv_dequantizing.h"
+#include "gemv_int8_vnni.h"
+#include "huge_pages.h"
 #include "vec_utils.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -182,6 +187,44 @@ at::Tensor amx_linear(const W& w, const at::Tensor& rows, const std::optional<at
 }
 #endif
 
+// Whether OCTAVO_CPU_W8_GEMV asks for the float32 w8 GEMV ("float": for comparisons and tests) instead of the
+// integer one where that runs; read at every call, a bad value refused by name on every build.
+bool float_w8_gemv_asked() {
+  const char* env = std::getenv("OCTAVO_CPU_W8_GEMV");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "float", "OCTAVO_CPU_W8_GEMV must be float (or unset), got ", choice);
+  return choice == "float";
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether a w8 GEMV with bf16_gemm on bfloat16 or float16 rows (a reduced-precision model's decode; a float32 x
+// keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row, K within its exact int32
+// range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float.
+bool integer_w8_gemv_usable(const Int8Weight& w) {
+  return !float_w8_gemv_asked() && w.groups == 1 && w.K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+}
+
+// The integer w8 GEMV from x's own dtype to out's (no float32 copies of x or of the result).
+at::Tensor vnni_linear(const Int8Weight& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, w.N}, x.options());
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
+  const Int8Matrix matrix{w.q, w.scales, w.N, w.K, w.group_size, w.groups};
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      gemv_int8_vnni(matrix, x.const_data_ptr<c10::BFloat16>(), M, bias_data, out.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      gemv_int8_vnni(matrix, x.const_data_ptr<c10::Half>(), M, bias_data, out.data_ptr<c10::Half>());
+      break;
+    default:
+      gemv_int8_vnni(matrix, x.const_data_ptr<float>(), M, bias_data, out.data_ptr<float>());
+  }
+  return out;
+}
+#endif
+
 // x @ W.T (+ bias) for x [..., K] of any float dtype: checks x and bias, computes in float32 (the AMX GEMM from x's
 // own dtype where bf16_gemm chose it), shapes the result.
 template <typename W>
@@ -208,8 +251,15 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
     const QuantizedGemm choice = quantized_gemm_choice();
     if (choice != QuantizedGemm::kOneDnn) return amx_linear(w, rows, b, choice).view(shape);
   }
+  if constexpr (std::is_same_v<W, Int8Weight>) {
+    const bool reduced = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
+    if (M > 0 && M <= kGemvRows && N > 0 && bf16_gemm && reduced && integer_w8_gemv_usable(w)) {
+      return vnni_linear(w, rows, b).view(shape);
+    }
+  }
 #else
   if (M > kGemvRows && bf16_gemm) quantized_gemm_choice();  // a bad value is refused on every build
+  if (std::is_same_v<W, Int8Weight> && M <= kGemvRows && bf16_gemm) float_w8_gemv_asked();
 #endif
   const at::Tensor x = rows.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
@@ -232,6 +282,7 @@ at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const a
   const int64_t N = qweight.size(0), K = qweight.size(1), groups = (K + group_size - 1) / group_size;
   const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
+  collapse_to_huge_pages(q.const_data_ptr(), q.nbytes());
   return run_linear("linear_w8", input,
                     Int8Weight{q.const_data_ptr<int8_t>(), parameters_of(s), N, K, group_size, groups}, bias,
                     bf16_gemm);
@@ -248,6 +299,7 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor s = group_parameters("linear_w4", "scales", scales, N, groups, group_size);
   const at::Tensor o = group_parameters("linear_w4", "offsets", offsets, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
+  collapse_to_huge_pages(q.const_data_ptr(), q.nbytes());
   return run_linear("linear_w4", input,
                     Int4Weight{q.const_data_ptr<uint8_t>(), parameters_of(s), parameters_of(o), N, K,
                                group_size, groups},
@@ -265,6 +317,7 @@ at::Tensor linear_fp8(const at::Tensor& input, const at::Tensor& qweight, const 
               scales.sizes());
   const at::Tensor s = scales.reshape({N}).contiguous();
   const at::Tensor q = qweight.contiguous();
+  collapse_to_huge_pages(q.const_data_ptr(), q.nbytes());
   return run_linear("linear_fp8", input,
                     Fp8Weight{q.const_data_ptr<c10::Float8_e4m3fn>(), parameters_of(s), N, K, K, 1}, bias,
                     bf16_gemm);

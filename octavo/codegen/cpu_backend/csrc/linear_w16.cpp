@@ -5,6 +5,7 @@
 // Up to kGemvRows rows of x: a streaming kernel that reads every weight once and keeps the rows of x in
 // cache, memory-bound by design. More rows: the weights are widened a tile of output columns at a time
 // into a per-thread float32 buffer and multiplied by the BLAS GEMM (compute-bound shapes).
+#include "huge_pages.h"
 #include "vec_utils.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -116,6 +117,7 @@ at::Tensor linear_w16(const at::Tensor& input, const at::Tensor& weight, const s
                 "linear_w16: bias must be float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
   }
   const at::Tensor w = weight.contiguous();
+  collapse_to_huge_pages(w.const_data_ptr(), w.nbytes());
   const at::Tensor x = input.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());

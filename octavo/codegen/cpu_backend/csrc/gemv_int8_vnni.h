@@ -1,0 +1,148 @@
+// The w8 GEMV of a bfloat16 model (bf16_gemm) for int8 weights with one scale per row, on CPUs with AVX512_VNNI:
+// up to 8 rows of x, out [M, N] = x @ (float(q) * scale).T (+ bias), in the arithmetic of gemm_amx_int8.h.
+//
+// Each row of x is rounded to 16-bit integers on its own step (split_row: xi = 256 * high + low, |xi * step - x| <=
+// step / 2 plus float32 roundings), and for each weight row the exact int32 sums of high * q and low * q are formed
+// by vpdpbusd (unsigned byte times signed byte, four products a lane). The instruction wants the unsigned operand
+// first: the low bytes are, the signed high bytes go in as high + 128 and 128 * (sum of q) is taken back out of
+// that sum (also exact). Then, as the AMX GEMM does, out = (256 * float(high sum) + float(low sum)) * (step * scale)
+// + bias, each operation rounded to float32 once, and the result rounded to x's dtype once. Against the
+// definition the error is that of the AMX GEMM (gemm_amx_int8.h): x's rounding, 2^-16 of its row's largest value
+// per term, and a few float32 roundings.
+//
+// Per 64 weight bytes: one load and three vpdpbusd (high, low, the sum of q) against about twelve widening and
+// multiply-add instructions of the float32 GEMV, which held it to ~15 GB/s on a decode step's cold weights.
+#pragma once
+
+#include "gemm_amx_int8.h"
+#include "gemv_int8.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace octavo_cpu {
+
+constexpr int64_t kVnniPrefetchBytes = 16384;
+
+// Whether this CPU executes AVX512_VNNI (asked once).
+inline bool cpu_has_avx512_vnni() {
+  static const bool present = __builtin_cpu_supports("avx512vnni");
+  return present;
+}
+
+// x's rows for vpdpbusd: high + 128 and low as unsigned byte planes [M][Kpad] (zeros past K), and each row's step.
+struct VnniRows {
+  int64_t Kpad;
+  const uint8_t* high;  // high byte + 128
+  const uint8_t* low;
+  const float* step;
+};
+
+template <typename T>
+VnniRows vnni_rows(const T* x, int64_t M, int64_t K) {
+  static thread_local std::vector<uint8_t> high, low;
+  static thread_local std::vector<float> step;
+  const int64_t Kpad = round_up(K, 64);
+  high.assign(M * Kpad, 0);
+  low.assign(M * Kpad, 0);
+  step.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    uint8_t* h = high.data() + m * Kpad;
+    step[m] = split_row(x + m * K, K, reinterpret_cast<int8_t*>(h), low.data() + m * Kpad);
+    for (int64_t k = 0; k < K; ++k) h[k] ^= 0x80;  // two's complement high byte + 128, as an unsigned byte
+  }
+  return {Kpad, high.data(), low.data(), step.data()};
+}
+
+// Rows [n, n + R) of q against the M rows of x: high[r][m] = sum of (high + 128) * q, low[r][m] = sum of low * q,
+// ones[r] = sum of q, each in 16 int32 lanes (added across lanes by the caller).
+template <int M, int R>
+__attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
+    const int8_t* q, int64_t K, const VnniRows& x, int64_t n, __m512i (&high)[R][M], __m512i (&low)[R][M],
+    __m512i (&ones)[R]) {
+  const __m512i one = _mm512_set1_epi8(1);
+  for (int r = 0; r < R; ++r) {
+    ones[r] = _mm512_setzero_si512();
+    for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
+  }
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    __m512i w[R];
+    for (int r = 0; r < R; ++r) {
+      w[r] = _mm512_maskz_loadu_epi8(mask, q + (n + r) * K + k);
+      ones[r] = _mm512_dpbusd_epi32(ones[r], one, w[r]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512i h = _mm512_loadu_si512(x.high + m * x.Kpad + k), l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
+      for (int r = 0; r < R; ++r) {
+        high[r][m] = _mm512_dpbusd_epi32(high[r][m], h, w[r]);
+        low[r][m] = _mm512_dpbusd_epi32(low[r][m], l, w[r]);
+      }
+    }
+  }
+}
+
+// out[m, n + r] for the weight rows [n, n + R) and the M rows of x.
+template <typename T, int M, int R>
+__attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int8Matrix& w, const VnniRows& x,
+                                                                       const float* bias, T* out, int64_t n,
+                                                                       const int8_t* prefetch_end) {
+  prefetch_span(w.q + n * w.K + kVnniPrefetchBytes, w.q + (n + R) * w.K + kVnniPrefetchBytes, prefetch_end);
+  __m512i high[R][M], low[R][M], ones[R];
+  vnni_row_sums<M, R>(w.q, w.K, x, n, high, low, ones);
+  for (int r = 0; r < R; ++r) {
+    const int32_t q_sum = _mm512_reduce_add_epi32(ones[r]);
+    const float scale = w.scales[n + r];
+    for (int m = 0; m < M; ++m) {
+      const int32_t high_sum = _mm512_reduce_add_epi32(high[r][m]) - 128 * q_sum;
+      const int32_t low_sum = _mm512_reduce_add_epi32(low[r][m]);
+      const float sum = std::fma(static_cast<float>(high_sum), 256.f, static_cast<float>(low_sum));
+      out[m * w.N + n + r] = static_cast<T>(std::fma(sum, x.step[m] * scale, bias ? bias[n + r] : 0.f));
+    }
+  }
+}
+
+// Weight rows [begin, end), R at a time, the last few one at a time.
+template <typename T, int M, int R>
+void gemv_int8_vnni_range(const Int8Matrix& w, const VnniRows& x, const float* bias, T* out, int64_t begin,
+                          int64_t end) {
+  const int8_t* prefetch_end = w.q + end * w.K;
+  int64_t n = begin;
+  for (; n + R <= end; n += R) gemv_int8_vnni_block<T, M, R>(w, x, bias, out, n, prefetch_end);
+  for (; n < end; ++n) gemv_int8_vnni_block<T, M, 1>(w, x, bias, out, n, prefetch_end);
+}
+
+template <typename T, int M>
+void gemv_int8_vnni_rows(const Int8Matrix& w, const VnniRows& x, const float* bias, T* out) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t blocks = (w.N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.K * R, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    gemv_int8_vnni_range<T, M, R>(w, x, bias, out, begin * R, std::min(end * R, w.N));
+  });
+}
+
+// out [M, N] (T, x's dtype) = x [M, K] @ W.T (+ bias) for 1 to 8 rows of x and int8 weights with one scale per row
+// (w.groups == 1, K below kInt8GemmMaxK), on a CPU with AVX512_VNNI.
+template <typename T>
+void gemv_int8_vnni(const Int8Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
+  const VnniRows rows = vnni_rows(x, M, w.K);
+  switch (M) {
+    case 1: return gemv_int8_vnni_rows<T, 1>(w, rows, bias, out);
+    case 2: return gemv_int8_vnni_rows<T, 2>(w, rows, bias, out);
+    case 3: return gemv_int8_vnni_rows<T, 3>(w, rows, bias, out);
+    case 4: return gemv_int8_vnni_rows<T, 4>(w, rows, bias, out);
+    case 5: return gemv_int8_vnni_rows<T, 5>(w, rows, bias, out);
+    case 6: return gemv_int8_vnni_rows<T, 6>(w, rows, bias, out);
+    case 7: return gemv_int8_vnni_rows<T, 7>(w, rows, bias, out);
+    case 8: return gemv_int8_vnni_rows<T, 8>(w, rows, bias, out);
+    default: TORCH_CHECK(false, "linear_w8: the VNNI GEMV takes 1 to 8 rows, got ", M);
+  }
+}
+
+}  // namespace octavo_cpu
+#endif

@@ -1,0 +1,119 @@
+"""linear_w8's integer GEMV (gemv_int8_vnni.h): a bfloat16 / float16 model's decode rows, int8 weights with one
+scale per row, on AVX512_VNNI CPUs (AVX-512 build), against the definition and against the AMX-INT8 GEMM.
+
+Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
+exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
+derives for that GEMM (assert_within_int8_rounding). Where the integer GEMV does not run (another CPU or build, a
+float32 x, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies. On CPUs with both AMX-INT8 and AVX512_VNNI
+a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.codegen.cpu_backend.isa import _linux_cpu_flags
+from octavo.ir.quantized_layout import dequantize_w8
+from tests.codegen.cpu.test_cpu_linear_quantized import (
+    assert_within_int8_rounding,
+    assert_within_rounding,
+    int8_gemm_runs,
+    w8_weight,
+)
+
+# (N, K): N no multiple of the 4 weight rows a step takes; K no multiple of the 64 bytes an instruction reads
+# (100, 216), SmolLM2's q/k/v and down shapes.
+SHAPES = [(37, 100), (13, 216), (960, 576), (96, 1536)]
+
+
+def integer_gemv_runs(cpu_kernels) -> bool:
+    return cpu_kernels.target.level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
+
+
+def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
+    x[0, 3] = 40.0  # an outlier: its row's step is coarse
+    return x
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize(("n", "k"), SHAPES, ids=lambda value: str(value))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkeypatch):
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    x = decode_rows(rows, k, dtype, rows + n + k)
+    generator = torch.Generator().manual_seed(n * k)
+    bias = torch.randn(n, generator=generator)
+    qweight, scales = w8_weight(n, k, k, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
+    if integer_gemv_runs(cpu_kernels):
+        assert_within_int8_rounding(output, x, qweight, scales, bias)
+    else:
+        assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, w8=True)
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
+    floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
+    assert_within_rounding(floating, x, dequantize_w8(qweight, scales, k), bias, w8=True)
+    if integer_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+        assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES, ids=lambda value: str(value))
+def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monkeypatch):
+    """12 rows through the GEMM (AMX-INT8 here, else another path) and their first 1, 5 and 8 through the GEMV: the
+    same bits where both are the integer kernels."""
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "")
+    x = decode_rows(12, k, torch.bfloat16, n + k)
+    generator = torch.Generator().manual_seed(n + 7 * k)
+    bias = torch.randn(n, generator=generator)
+    qweight, scales = w8_weight(n, k, k, torch.float32, generator)
+    gemm = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
+    for rows in (1, 5, 8):
+        gemv = torch.ops.octavo_cpu.linear_w8(x[:rows], qweight, scales, bias, k, True)
+        if integer_gemv_runs(cpu_kernels) and int8_gemm_runs(cpu_kernels):
+            assert torch.equal(gemv, gemm[:rows])
+        else:
+            assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True)
+
+
+def test_float32_rows_and_grouped_weights_keep_the_float32_gemv(cpu_kernels, monkeypatch):
+    """A float32 x (a float32 model's decode) and weights with several scales a row never take the integer GEMV:
+    their results are the float32 GEMV's bits."""
+    generator = torch.Generator().manual_seed(5)
+    qweight, scales = w8_weight(96, 576, 576, torch.float16, generator)
+    grouped_q, grouped_scales = w8_weight(96, 576, 64, torch.float16, generator)
+    x32 = torch.randn(3, 576, generator=generator)
+    results = {}
+    for choice in ("", "float"):
+        monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", choice)
+        results[choice] = (torch.ops.octavo_cpu.linear_w8(x32, qweight, scales, None, 576, True),
+                           torch.ops.octavo_cpu.linear_w8(x32.bfloat16(), grouped_q, grouped_scales, None, 64, True))
+    for default, floating in zip(results[""], results["float"], strict=True):
+        assert torch.equal(default, floating)
+
+
+def test_rows_of_zeros_and_non_finite_values(cpu_kernels, monkeypatch):
+    """A row of zeros gives the bias (rounded to the row's dtype); a NaN or an infinity makes that row's outputs
+    non-finite, never finite numbers from saturated integers; the other rows are unaffected."""
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    generator = torch.Generator().manual_seed(22)
+    x = torch.randn(6, 128, generator=generator).bfloat16()
+    x[1] = 0.0
+    x[3, 7] = float("nan")
+    x[4, 100] = float("inf")
+    bias = torch.randn(40, generator=generator)
+    qweight, scales = w8_weight(40, 128, 128, torch.float32, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, 128, True)
+    assert torch.equal(output[1], bias.bfloat16())
+    assert not output[3].isfinite().any() and not output[4].isfinite().any()
+    assert output[[0, 2, 5]].isfinite().all()
+
+
+def test_a_bad_choice_is_refused(cpu_kernels, monkeypatch):
+    generator = torch.Generator().manual_seed(6)
+    qweight, scales = w8_weight(8, 64, 64, torch.float32, generator)
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "integer")
+    with pytest.raises(RuntimeError, match="OCTAVO_CPU_W8_GEMV must be float"):
+        torch.ops.octavo_cpu.linear_w8(torch.randn(1, 64).bfloat16(), qweight, scales, None, 64, True)
