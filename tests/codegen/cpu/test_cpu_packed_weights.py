@@ -5,11 +5,13 @@ words, word (p, c) = W[32 b + c, 2 p] in its low 16 bits and W[32 b + c, 2 p + 1
 N and K.
 
 Pages: packed copies are carved from mappings advised for transparent huge pages (MADV_HUGEPAGE), so that the GEMV
-streams them on 2 MiB pages. Whether Linux hands out a huge page depends on its settings, read here from
+streams them on 2 MiB pages; weights the quantized linears read where they lie are moved onto huge pages at their
+first call (MADV_COLLAPSE). Whether Linux hands out a huge page depends on its settings, read here from
 /sys/kernel/mm/transparent_hugepage: with "enabled" at always or madvise and "defrag" at a mode that compacts
 memory for an advised fault (always, madvise, defer+madvise), every 2 MiB page inside a packed copy must be a huge
-one; with "enabled" at never, none may be. OCTAVO_CPU_HUGE_PAGES=0 drops the advice (then, with "enabled" at
-madvise, no page may be huge); another value is refused by name.
+one; a collapse needs Linux 6.1 or later and "enabled" other than never, whatever "defrag" says. With "enabled" at
+never, no page may be huge. OCTAVO_CPU_HUGE_PAGES=0 drops both (then, with "enabled" at madvise, no page of a
+packed copy may be huge); another value is refused by name.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ def test_packed_copies_lie_on_huge_pages_where_linux_gives_them(cpu_kernels):
     x = torch.randn(1, 1024).to(torch.bfloat16)
     exact = x.double() @ weight.double().T
     assert (torch.ops.octavo_cpu.linear_bf16(x, weight).double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_weights_read_in_place_are_moved_onto_huge_pages(cpu_kernels):
+    qweight = torch.randint(-128, 128, (4096, 1024), dtype=torch.int8)  # 4 MiB: at least one whole 2 MiB page
+    scales = torch.rand(4096, 1) * 0.01
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    before = qweight.clone()
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 1024, True)
+    assert torch.equal(qweight, before)
+    exact = x.double() @ (qweight.double() * scales.double()).T
+    assert (output.double() - exact).abs().max() < 0.05 * exact.abs().max()
+    release = tuple(int(part) for part in os.uname().release.split(".")[:2] if part.isdigit())
+    whole = whole_huge_pages(qweight.data_ptr(), qweight.nbytes)
+    if thp_mode("enabled") in ("always", "madvise") and release >= (6, 1):
+        assert huge_bytes_of(qweight.data_ptr()) >= whole * HUGE_PAGE
+    elif thp_mode("enabled") in ("never", ""):
+        assert huge_bytes_of(qweight.data_ptr()) == 0
 
 
 _PACK_IN_A_CHILD = """

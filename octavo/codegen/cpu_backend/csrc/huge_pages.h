@@ -1,16 +1,19 @@
-// Memory for the packed weights that decode steps stream, backed by 2 MiB pages where Linux allows.
+// Memory for the weights that decode steps stream, backed by 2 MiB pages where Linux allows.
 //
 // A decode step reads every weight once, a few hundred MB at the memory's full rate. On 4 KiB pages every 4 KiB of
 // that stream is another TLB entry to walk and another point where the hardware prefetchers stop; on 2 MiB pages
-// the bfloat16 GEMV read SmolLM2's weights at 30-33 GB/s instead of 20-24 (Xeon with AMX, one sitting).
-// HugePageArena hands out tensors carved side by side from 64 MiB mappings marked MADV_HUGEPAGE, so that the pages
-// they fault in as they are first written are huge ones (transparent huge pages "always" or "madvise"; with "never"
-// ordinary pages); weights of a few hundred KB each would never fill a huge page alone. Untouched parts of a
-// mapping take no memory. Only the physical pages differ: every value is the same on either.
+// the bfloat16 GEMV read SmolLM2's weights at 30-33 GB/s instead of 20-24 (Xeon with AMX, one sitting). Two ways:
+// - HugePageArena (linear_bf16's packed copies): tensors carved side by side from 64 MiB mappings marked
+//   MADV_HUGEPAGE, so that the pages they fault in as they are first written are huge ones (transparent huge pages
+//   "always" or "madvise"; with "never" ordinary pages); weights of a few hundred KB each would never fill a huge
+//   page alone. Untouched parts of a mapping take no memory.
+// - collapse_to_huge_pages (weights read where they lie: the quantized and 16-bit linears'): their memory, already
+//   written, moved onto huge pages in place at their first call.
+// Only the physical pages differ: every value is the same on either.
 //
-// The price is paid once, as the weights are packed: Linux zeroes each 2 MiB page before handing it out, and may
-// compact memory to find one (in a VM whose host backs memory lazily, packing SmolLM2 took 1.3-2.3 s instead of
-// 0.1). OCTAVO_CPU_HUGE_PAGES=0 packs onto ordinary pages instead.
+// The price is paid once, as the weights are packed or first used: Linux zeroes or copies each 2 MiB page, and may
+// compact memory to find one (in a VM whose host backs memory lazily, SmolLM2's first step took 1.3-2.4 s instead
+// of 0.1). OCTAVO_CPU_HUGE_PAGES=0 keeps ordinary pages.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,10 +24,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
