@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from octavo.config import EngineConfig
 from octavo.runtime.engine import LLMEngine
@@ -30,6 +31,18 @@ def tiny_llama_d32(directory: Path, tokenizer_dir: Path) -> Path:
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, directory / file.name)
     return directory
+
+
+def reference_models(model_dir: Path) -> tuple:
+    """HF float32 and bfloat16 of `model_dir` (eager attention): their gap is the size of one bfloat16 rounding."""
+    return tuple(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
+                 for dtype in (torch.float32, torch.bfloat16))
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """One prompt of random token ids (3 to 48999) per length, drawn in order from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49000, (length,), generator=generator).tolist() for length in lengths]
 
 
 def make_engine(artifact) -> LLMEngine:

@@ -16,12 +16,11 @@ once, at its first call, and reuses the packed copy at every later step.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from octavo.config import EngineConfig
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
-from tests.codegen.cpu.engine_pairs import sampled
+from tests.codegen.cpu.engine_pairs import random_prompts, reference_models, sampled
 
 PROMPT_LENGTHS = [6, 23, 1]
 MAX_TOKENS = 5
@@ -57,11 +56,8 @@ def test_compiled_bf16_graph_runs_the_native_linear(tiny_quantized_artifact, tin
     assert "octavo_cpu::linear_bf16" in (native.executor.path / "model.json").read_text()
 
     directory = tiny_model_dir("qwen2")
-    exact, hf_bf16 = (AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=dtype).eval()
-                      for dtype in (torch.float32, torch.bfloat16))
-    generator = torch.Generator().manual_seed(5)
-    for length in PROMPT_LENGTHS:
-        prompt = torch.randint(3, 49000, (length,), generator=generator).tolist()
+    exact, hf_bf16 = reference_models(directory)
+    for prompt in random_prompts(PROMPT_LENGTHS, seed=5):
         for engine in (native, existing):
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     diverged: set[str] = set()

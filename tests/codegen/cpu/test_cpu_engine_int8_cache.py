@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from octavo.codegen.cpu_backend.isa import cpu_target
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
-from tests.codegen.cpu.engine_pairs import largest_logit_difference, make_engine, tiny_llama_d32
+from tests.codegen.cpu.engine_pairs import (
+    largest_logit_difference,
+    make_engine,
+    random_prompts,
+    reference_models,
+    tiny_llama_d32,
+)
 
 PROMPT_LENGTHS = [6, 23, 40]
 MAX_TOKENS = 12
@@ -36,10 +41,8 @@ def test_default_engine_decodes_an_int8_cache_as_the_widening_path_does(model_di
     assert default.executor_kind == "compiled" and default.backend == "cpu"
     assert default.kv_cache.tensors[next(iter(default.kv_cache.tensors))].dtype == torch.int8
 
-    models = tuple(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
-                   for dtype in (torch.float32, torch.bfloat16))
-    generator = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 49000, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
+    models = reference_models(model_dir)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=9)
     largest_difference = largest_logit_difference(default, widening, "OCTAVO_CPU_INT8_CACHE_DOT", "float", models,
                                                   prompts, MAX_TOKENS, monkeypatch)
     # AVX-512 builds took the integer path by default (other roundings than widening's); lower builds always widen.

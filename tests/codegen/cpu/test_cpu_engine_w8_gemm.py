@@ -10,13 +10,17 @@ tests/codegen/cpu/engine_pairs.py states what must agree.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from octavo.codegen.cpu_backend.isa import cpu_target
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
-from tests.codegen.cpu.engine_pairs import largest_logit_difference, make_engine, tiny_llama_d32
+from tests.codegen.cpu.engine_pairs import (
+    largest_logit_difference,
+    make_engine,
+    random_prompts,
+    reference_models,
+    tiny_llama_d32,
+)
 
 PROMPT_LENGTHS = [12, 23, 40]  # every prompt above the GEMV's 8 rows
 MAX_TOKENS = 8
@@ -35,10 +39,8 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
     assert default.executor_kind == "compiled" and default.backend == "cpu"
 
     # The size of one bfloat16 rounding is measured on the float model, which the int8 weights round per row.
-    models = tuple(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
-                   for dtype in (torch.float32, torch.bfloat16))
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 49000, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
+    models = reference_models(model_dir)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_QUANTIZED_GEMM", "amx_bf16",
                                                   models, prompts, MAX_TOKENS, monkeypatch)
     # The paths differ exactly where the integer GEMM runs; elsewhere both settings take the same GEMM.

@@ -1,10 +1,10 @@
 // The w8 GEMV of a bfloat16 model (bf16_gemm) for int8 weights with one scale per row, on CPUs with AVX512_VNNI:
 // up to 8 rows of x, out [M, N] = x @ (float(q) * scale).T (+ bias), in the arithmetic of gemm_amx_int8.h.
 //
-// Each row of x is rounded to 16-bit integers on its own step (split_row: xi = 256 * high + low, |xi * step - x| <=
-// step / 2 plus float32 roundings), and for each weight row the exact int32 sums of high * q and low * q are formed
-// by vpdpbusd (unsigned byte times signed byte, four products a lane). The instruction wants the unsigned operand
-// first: the low bytes are, the signed high bytes go in as high + 128 and 128 * (sum of q) is taken back out of
+// Each row of x is rounded to 16-bit integers on its own step (the GEMM's split_rows: xi = 256 * high + low,
+// |xi * step - x| <= step / 2 plus float32 roundings), and for each weight row the exact int32 sums of high * q
+// and low * q are formed by vpdpbusd (unsigned byte times signed byte, four products a lane). The instruction
+// wants the unsigned operand first: the low bytes are, the signed high bytes go in as high + 128 and 128 * (sum of q) is taken back out of
 // that sum (also exact). Then, as the AMX GEMM does, out = (256 * float(high sum) + float(low sum)) * (step * scale)
 // + bias, each operation rounded to float32 once, and the result rounded to x's dtype once. Against the
 // definition the error is that of the AMX GEMM (gemm_amx_int8.h): x's rounding, 2^-16 of its row's largest value
@@ -22,11 +22,8 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <vector>
 
 namespace octavo_cpu {
-
-constexpr int64_t kVnniPrefetchBytes = 16384;
 
 // Whether this CPU executes AVX512_VNNI (asked once).
 inline bool cpu_has_avx512_vnni() {
@@ -34,37 +31,15 @@ inline bool cpu_has_avx512_vnni() {
   return present;
 }
 
-// x's rows for vpdpbusd: high + 128 and low as unsigned byte planes [M][Kpad] (zeros past K), and each row's step.
-struct VnniRows {
-  int64_t Kpad;
-  const uint8_t* high;  // high byte + 128
-  const uint8_t* low;
-  const float* step;
-};
-
-template <typename T>
-VnniRows vnni_rows(const T* x, int64_t M, int64_t K) {
-  static thread_local std::vector<uint8_t> high, low;
-  static thread_local std::vector<float> step;
-  const int64_t Kpad = round_up(K, 64);
-  high.assign(M * Kpad, 0);
-  low.assign(M * Kpad, 0);
-  step.resize(M);
-  for (int64_t m = 0; m < M; ++m) {
-    uint8_t* h = high.data() + m * Kpad;
-    step[m] = split_row(x + m * K, K, reinterpret_cast<int8_t*>(h), low.data() + m * Kpad);
-    for (int64_t k = 0; k < K; ++k) h[k] ^= 0x80;  // two's complement high byte + 128, as an unsigned byte
-  }
-  return {Kpad, high.data(), low.data(), step.data()};
-}
-
-// Rows [n, n + R) of q against the M rows of x: high[r][m] = sum of (high + 128) * q, low[r][m] = sum of low * q,
-// ones[r] = sum of q, each in 16 int32 lanes (added across lanes by the caller).
+// Rows [n, n + R) of q against the M rows of x's planes (split_rows: columns past K hold stale values, which meet
+// the zeros the masked load gives q there): high[r][m] = sum of (high + 128) * q (the signed high byte made
+// unsigned by flipping its top bit), low[r][m] = sum of low * q, ones[r] = sum of q, each in 16 int32 lanes
+// (added across lanes by the caller).
 template <int M, int R>
 __attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
-    const int8_t* q, int64_t K, const VnniRows& x, int64_t n, __m512i (&high)[R][M], __m512i (&low)[R][M],
+    const int8_t* q, int64_t K, const SplitRows& x, int64_t n, __m512i (&high)[R][M], __m512i (&low)[R][M],
     __m512i (&ones)[R]) {
-  const __m512i one = _mm512_set1_epi8(1);
+  const __m512i one = _mm512_set1_epi8(1), top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int r = 0; r < R; ++r) {
     ones[r] = _mm512_setzero_si512();
     for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
@@ -77,7 +52,8 @@ __attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
       ones[r] = _mm512_dpbusd_epi32(ones[r], one, w[r]);
     }
     for (int m = 0; m < M; ++m) {
-      const __m512i h = _mm512_loadu_si512(x.high + m * x.Kpad + k), l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
+      const __m512i h = _mm512_xor_si512(_mm512_loadu_si512(x.high + m * x.Kpad + k), top_bit);
+      const __m512i l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
       for (int r = 0; r < R; ++r) {
         high[r][m] = _mm512_dpbusd_epi32(high[r][m], h, w[r]);
         low[r][m] = _mm512_dpbusd_epi32(low[r][m], l, w[r]);
@@ -88,10 +64,10 @@ __attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
 
 // out[m, n + r] for the weight rows [n, n + R) and the M rows of x.
 template <typename T, int M, int R>
-__attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int8Matrix& w, const VnniRows& x,
+__attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int8Matrix& w, const SplitRows& x,
                                                                        const float* bias, T* out, int64_t n,
                                                                        const int8_t* prefetch_end) {
-  prefetch_span(w.q + n * w.K + kVnniPrefetchBytes, w.q + (n + R) * w.K + kVnniPrefetchBytes, prefetch_end);
+  prefetch_span(w.q + n * w.K + kPrefetchBytes, w.q + (n + R) * w.K + kPrefetchBytes, prefetch_end);
   __m512i high[R][M], low[R][M], ones[R];
   vnni_row_sums<M, R>(w.q, w.K, x, n, high, low, ones);
   for (int r = 0; r < R; ++r) {
@@ -108,7 +84,7 @@ __attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int
 
 // Weight rows [begin, end), R at a time, the last few one at a time.
 template <typename T, int M, int R>
-void gemv_int8_vnni_range(const Int8Matrix& w, const VnniRows& x, const float* bias, T* out, int64_t begin,
+void gemv_int8_vnni_range(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out, int64_t begin,
                           int64_t end) {
   const int8_t* prefetch_end = w.q + end * w.K;
   int64_t n = begin;
@@ -117,7 +93,7 @@ void gemv_int8_vnni_range(const Int8Matrix& w, const VnniRows& x, const float* b
 }
 
 template <typename T, int M>
-void gemv_int8_vnni_rows(const Int8Matrix& w, const VnniRows& x, const float* bias, T* out) {
+void gemv_int8_vnni_rows(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out) {
   constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t blocks = (w.N + R - 1) / R;
   const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.K * R, 1));
@@ -130,7 +106,7 @@ void gemv_int8_vnni_rows(const Int8Matrix& w, const VnniRows& x, const float* bi
 // (w.groups == 1, K below kInt8GemmMaxK), on a CPU with AVX512_VNNI.
 template <typename T>
 void gemv_int8_vnni(const Int8Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
-  const VnniRows rows = vnni_rows(x, M, w.K);
+  const SplitRows rows = split_rows(x, M, w.K);
   switch (M) {
     case 1: return gemv_int8_vnni_rows<T, 1>(w, rows, bias, out);
     case 2: return gemv_int8_vnni_rows<T, 2>(w, rows, bias, out);

@@ -204,22 +204,17 @@ bool integer_w8_gemv_usable(const Int8Weight& w) {
   return !float_w8_gemv_asked() && w.groups == 1 && w.K < kInt8GemmMaxK && cpu_has_avx512_vnni();
 }
 
-// The integer w8 GEMV from x's own dtype to out's (no float32 copies of x or of the result).
+// The integer w8 GEMV from x's own dtype (bfloat16 or float16) to out's (no float32 copies of x or of the result).
 at::Tensor vnni_linear(const Int8Weight& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias) {
   const at::Tensor x = rows.contiguous();
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, w.N}, x.options());
   const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   const Int8Matrix matrix{w.q, w.scales, w.N, w.K, w.group_size, w.groups};
-  switch (x.scalar_type()) {
-    case at::kBFloat16:
-      gemv_int8_vnni(matrix, x.const_data_ptr<c10::BFloat16>(), M, bias_data, out.data_ptr<c10::BFloat16>());
-      break;
-    case at::kHalf:
-      gemv_int8_vnni(matrix, x.const_data_ptr<c10::Half>(), M, bias_data, out.data_ptr<c10::Half>());
-      break;
-    default:
-      gemv_int8_vnni(matrix, x.const_data_ptr<float>(), M, bias_data, out.data_ptr<float>());
+  if (x.scalar_type() == at::kBFloat16) {
+    gemv_int8_vnni(matrix, x.const_data_ptr<c10::BFloat16>(), M, bias_data, out.data_ptr<c10::BFloat16>());
+  } else {
+    gemv_int8_vnni(matrix, x.const_data_ptr<c10::Half>(), M, bias_data, out.data_ptr<c10::Half>());
   }
   return out;
 }
