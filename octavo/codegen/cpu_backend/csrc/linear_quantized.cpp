@@ -15,13 +15,16 @@
 // dequantizing AMX GEMM, for comparisons and tests (read at every call above the GEMV's rows).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
-// - w4 and fp8 (every path) and the w8 GEMM but its AMX-INT8 one: each weight dequantized exactly as the layout
-//   defines it (w8 and fp8: float(q) * scale; w4: float(q) * scale, then + offset), then out = sum over k of
-//   x * weight (+ bias).
+// - fp8 (every path), w4 but its integer GEMV, and the w8 GEMM but its AMX-INT8 one: each weight dequantized
+//   exactly as the layout defines it (w8 and fp8: float(q) * scale; w4: float(q) * scale, then + offset), then
+//   out = sum over k of x * weight (+ bias).
 // - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
 //   own, exact integer sums, scaled once (see gemm_amx_int8.h).
 // - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AVX512_VNNI CPUs (gemv_int8_vnni.h): the
 //   AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to integers, exact sums, scaled once).
+// - w4 GEMV with bf16_gemm on bfloat16 / float16 rows, groups of a multiple of 32 columns, AVX512_VNNI CPUs
+//   (gemv_int4_vnni.h): x's rows rounded to integers as above, exact integer sums per group, then
+//   out = step * (sum over groups of scale * sum(q * xi) + offset * sum(xi)) (+ bias) in float32.
 // - w8 GEMV (gemv_int8.h) otherwise, for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
@@ -30,10 +33,12 @@
 // (relative error 2^-9 each), products summed in float32 (AMX tiles or oneDNN), the bias added in float32; oneDNN's
 // result is rounded to bfloat16 once more and widened, the AMX one stays float32 (per-row int8 weights on AMX-INT8
 // CPUs take the integer GEMM instead). Only the rows above kGemvRows are affected, and a bfloat16 / float16 x's
-// GEMV rows with per-row int8 weights on AVX512_VNNI CPUs (the integer GEMV); the GEMV is float32 otherwise.
+// GEMV rows with per-row int8 weights or 4-bit weights in groups of a multiple of 32 on AVX512_VNNI CPUs (the
+// integer GEMVs); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
 #include "gemm_amx_int8.h"
 #include "gemv_dequantizing.h"
+#include "gemv_int4_vnni.h"
 #include "gemv_int8_vnni.h"
 #include "huge_pages.h"
 #include "vec_utils.h"
@@ -187,12 +192,13 @@ at::Tensor amx_linear(const W& w, const at::Tensor& rows, const std::optional<at
 }
 #endif
 
-// Whether OCTAVO_CPU_W8_GEMV asks for the float32 w8 GEMV ("float": for comparisons and tests) instead of the
-// integer one where that runs; read at every call, a bad value refused by name on every build.
-bool float_w8_gemv_asked() {
-  const char* env = std::getenv("OCTAVO_CPU_W8_GEMV");
+// Whether OCTAVO_CPU_W8_GEMV / OCTAVO_CPU_W4_GEMV (`variable`) asks for the float32 GEMV ("float": for comparisons
+// and tests) instead of the integer one where that runs; read at every call, a bad value refused by name on every
+// build.
+bool float_gemv_asked(const char* variable) {
+  const char* env = std::getenv(variable);
   const std::string choice = env == nullptr ? "" : env;
-  TORCH_CHECK(choice.empty() || choice == "float", "OCTAVO_CPU_W8_GEMV must be float (or unset), got ", choice);
+  TORCH_CHECK(choice.empty() || choice == "float", variable, " must be float (or unset), got ", choice);
   return choice == "float";
 }
 
@@ -201,7 +207,13 @@ bool float_w8_gemv_asked() {
 // keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row, K within its exact int32
 // range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float.
 bool integer_w8_gemv_usable(const Int8Weight& w) {
-  return !float_w8_gemv_asked() && w.groups == 1 && w.K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && w.groups == 1 && w.K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+}
+
+// The same for w4 (gemv_int4_vnni.h): groups of whole 32-column blocks, K within its range, an AVX512_VNNI CPU,
+// and no OCTAVO_CPU_W4_GEMV=float.
+bool integer_w4_gemv_usable(const Int4Weight& w) {
+  return !float_gemv_asked("OCTAVO_CPU_W4_GEMV") && int4_vnni_shape_fits(w.K, w.group_size);
 }
 
 // The integer w8 GEMV from x's own dtype (bfloat16 or float16) to out's (no float32 copies of x or of the result).
@@ -217,6 +229,28 @@ at::Tensor vnni_linear(const Int8Weight& w, const at::Tensor& rows, const std::o
     gemv_int8_vnni(matrix, x.const_data_ptr<c10::Half>(), M, bias_data, out.data_ptr<c10::Half>());
   }
   return out;
+}
+
+// The integer w4 GEMV from x's own dtype (bfloat16 or float16) to out's.
+at::Tensor vnni_linear(const Int4Weight& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, w.N}, x.options());
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
+  const Int4Matrix matrix{w.q, w.scales, w.offsets, w.N, w.K, w.group_size, w.groups};
+  if (x.scalar_type() == at::kBFloat16) {
+    gemv_int4_vnni(matrix, x.const_data_ptr<c10::BFloat16>(), M, bias_data, out.data_ptr<c10::BFloat16>());
+  } else {
+    gemv_int4_vnni(matrix, x.const_data_ptr<c10::Half>(), M, bias_data, out.data_ptr<c10::Half>());
+  }
+  return out;
+}
+
+template <typename W>
+bool integer_gemv_usable(const W& w) {
+  if constexpr (std::is_same_v<W, Int8Weight>) return integer_w8_gemv_usable(w);
+  if constexpr (std::is_same_v<W, Int4Weight>) return integer_w4_gemv_usable(w);
+  return false;
 }
 #endif
 
@@ -246,15 +280,16 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
     const QuantizedGemm choice = quantized_gemm_choice();
     if (choice != QuantizedGemm::kOneDnn) return amx_linear(w, rows, b, choice).view(shape);
   }
-  if constexpr (std::is_same_v<W, Int8Weight>) {
+  if constexpr (!std::is_same_v<W, Fp8Weight>) {
     const bool reduced = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
-    if (M > 0 && M <= kGemvRows && N > 0 && bf16_gemm && reduced && integer_w8_gemv_usable(w)) {
+    if (M > 0 && M <= kGemvRows && N > 0 && bf16_gemm && reduced && integer_gemv_usable(w)) {
       return vnni_linear(w, rows, b).view(shape);
     }
   }
 #else
   if (M > kGemvRows && bf16_gemm) quantized_gemm_choice();  // a bad value is refused on every build
-  if (std::is_same_v<W, Int8Weight> && M <= kGemvRows && bf16_gemm) float_w8_gemv_asked();
+  if (std::is_same_v<W, Int8Weight> && M <= kGemvRows && bf16_gemm) float_gemv_asked("OCTAVO_CPU_W8_GEMV");
+  if (std::is_same_v<W, Int4Weight> && M <= kGemvRows && bf16_gemm) float_gemv_asked("OCTAVO_CPU_W4_GEMV");
 #endif
   const at::Tensor x = rows.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
@@ -278,6 +313,7 @@ at::Tensor linear_w8(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor s = group_parameters("linear_w8", "scales", scales, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
   collapse_to_huge_pages(q.const_data_ptr(), q.nbytes());
+  collapse_to_huge_pages(s.const_data_ptr(), s.nbytes());
   return run_linear("linear_w8", input,
                     Int8Weight{q.const_data_ptr<int8_t>(), parameters_of(s), N, K, group_size, groups}, bias,
                     bf16_gemm);
@@ -295,6 +331,8 @@ at::Tensor linear_w4(const at::Tensor& input, const at::Tensor& qweight, const a
   const at::Tensor o = group_parameters("linear_w4", "offsets", offsets, N, groups, group_size);
   const at::Tensor q = qweight.contiguous();
   collapse_to_huge_pages(q.const_data_ptr(), q.nbytes());
+  collapse_to_huge_pages(s.const_data_ptr(), s.nbytes());
+  collapse_to_huge_pages(o.const_data_ptr(), o.nbytes());
   return run_linear("linear_w4", input,
                     Int4Weight{q.const_data_ptr<uint8_t>(), parameters_of(s), parameters_of(o), N, K,
                                group_size, groups},

@@ -1,0 +1,248 @@
+// The w4 GEMV of a bfloat16 model (bf16_gemm) for groups of a multiple of 32 columns, on CPUs with AVX512_VNNI:
+// up to 8 rows of x, out [M, N] = x @ W.T (+ bias) with W[n, k] = q[n, k] * scale[n, g] + offset[n, g], in integers.
+//
+// Each row of x is rounded to 16-bit integers on its own step, as the AMX-INT8 GEMM rounds it (split_rows:
+// xi = 256 * high + low, |xi * step - x| <= step / 2 plus float32 roundings). Then
+//   out[m, n] = step * (sum over g of scale[n, g] * S(n, g) + sum over g of offset[n, g] * X(g)) + bias[n],
+// where S(n, g) = sum over the group's k of q * xi and X(g) = sum over the group's k of xi are exact integers.
+// vpdpbusd forms S a 32-column block at a time (four int32 lanes, eight columns each): the 4-bit q is a valid
+// operand both as unsigned and as signed bytes, so the signed high bytes meet q as the unsigned operand and the
+// unsigned low bytes meet it as the signed one, with no correction. A block's exact sum (|256 * high sum + low sum|
+// < 2^22) is widened to float32 and multiplied by its group's scale into float32 accumulators; the offsets meet
+// X(g) once per weight row. Against the definition the error is x's rounding, 2^-16 of its row's largest value per
+// term, and float32 roundings of the sums.
+//
+// Per 64 weight bytes (128 columns), for each row of x: four vpdpbusd, a shift, a widening and a multiply-add,
+// against about 24 table-lookup and multiply-add instructions of the float32 GEMV, which held it to ~13 GB/s.
+// The nibbles stay where they are: x's columns are reordered instead, every 128 of them even columns first (the
+// low nibbles of 64 bytes), then odd ones (the high nibbles).
+#pragma once
+
+#include "gemm_amx_int8.h"
+#include "gemv_int8.h"
+#include "gemv_int8_vnni.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace octavo_cpu {
+
+constexpr int64_t kNibbleChunk = 128;  // columns of one 64-byte load of 4-bit weights
+
+// The 4-bit weight [N, K / 2 bytes] (column 2j in byte j's low nibble, 2j + 1 in its high one), its scales and
+// offsets [N, groups].
+struct Int4Matrix {
+  const uint8_t* q;
+  Parameters scales, offsets;
+  int64_t N, K, group_size, groups;
+};
+
+// x prepared for the kernel: the planes of split_rows over x's columns reordered chunk by chunk (slot j < 64 of a
+// chunk is its column 2j, slot 64 + j its column 2j + 1, zeros past K), each row's integer sum over every group
+// (float32, zeros up to padded_groups), and for each chunk its first group and every lane's group relative to it.
+struct NibbleRows {
+  SplitRows planes;
+  const float* group_sums;       // [M][padded_groups]
+  const int32_t* first_group;    // [chunks]
+  const int32_t* lane_group;     // [chunks][16]
+  int64_t chunks, padded_groups;
+};
+
+// Groups rounded up to whole vectors, and one vector more: a chunk's scales are loaded as a vector from its first
+// group, which may lie in the last vector.
+inline int64_t padded_groups(int64_t groups) { return round_up(groups, 16) + 16; }
+
+template <typename T>
+NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
+  static thread_local std::vector<T> reordered;
+  static thread_local std::vector<float> sums;
+  static thread_local std::vector<int32_t> first, lanes;
+  const int64_t K = w.K, chunks = (K + kNibbleChunk - 1) / kNibbleChunk, width = chunks * kNibbleChunk;
+  const int64_t G = padded_groups(w.groups);
+  reordered.assign(M * width, T(0.f));
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    T* slots = reordered.data() + m * width;
+    for (int64_t k = 0; k + 1 < K; k += 2) {
+      const int64_t slot = k / kNibbleChunk * kNibbleChunk + k % kNibbleChunk / 2;
+      slots[slot] = row[k];
+      slots[slot + 64] = row[k + 1];
+    }
+  }
+  const SplitRows planes = split_rows(reordered.data(), M, width);
+  // A 32-column block b is slots 16j .. 16j + 15 and 64 + 16j .. 64 + 16j + 15 of chunk b / 4 (j = b % 4).
+  sums.assign(M * G, 0.f);
+  const int64_t blocks = (K + 31) / 32, blocks_per_group = w.group_size / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int64_t group_sum = 0;  // exact: at most group_size * 32767
+      for (int64_t b = g * blocks_per_group; b < std::min((g + 1) * blocks_per_group, blocks); ++b) {
+        const int64_t at = m * planes.Kpad + b / 4 * kNibbleChunk + b % 4 * 16;
+        for (int64_t i = 0; i < 16; ++i) {
+          group_sum += 256 * int32_t{planes.high[at + i]} + planes.low[at + i];
+          group_sum += 256 * int32_t{planes.high[at + 64 + i]} + planes.low[at + 64 + i];
+        }
+      }
+      sums[m * G + g] = static_cast<float>(group_sum);
+    }
+  }
+  // Each chunk's groups depend on K and the group size only: kept for the thread's next call of the same shape.
+  static thread_local int64_t lanes_k = -1, lanes_group_size = -1;
+  if (lanes_k == K && lanes_group_size == w.group_size) {
+    return NibbleRows{planes, sums.data(), first.data(), lanes.data(), chunks, G};
+  }
+  lanes_k = K;
+  lanes_group_size = w.group_size;
+  first.resize(chunks);
+  lanes.resize(chunks * 16);
+  for (int64_t c = 0; c < chunks; ++c) {
+    first[c] = static_cast<int32_t>(c * kNibbleChunk / w.group_size);
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      // Lane i sums columns 8i .. 8i + 7 of the chunk; past K its sums are zero and any group of the row will do.
+      const int64_t group = std::min((c * kNibbleChunk + lane / 4 * 32) / w.group_size, w.groups - 1);
+      lanes[c * 16 + lane] = static_cast<int32_t>(group - first[c]);
+    }
+  }
+  return NibbleRows{planes, sums.data(), first.data(), lanes.data(), chunks, G};
+}
+
+// dst[0:count] = p[first:first + count] as float32, dst[count:padded] = 0 (padded: padded_groups(count)).
+inline void widen_parameters(const Parameters& p, int64_t first, int64_t count, int64_t padded, float* dst) {
+  _mm512_storeu_ps(dst + padded - 16, _mm512_setzero_ps());
+  for (int64_t i = 0; i < padded - 16; i += 16) {
+    const int64_t left = count - i;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    __m512 values;
+    switch (p.type) {
+      case Parameters::Type::kHalf:
+        values = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.address(first + i)));
+        break;
+      case Parameters::Type::kBFloat16:
+        values = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.address(first + i))), 16));
+        break;
+      default:
+        values = _mm512_maskz_loadu_ps(mask, p.address(first + i));
+    }
+    _mm512_storeu_ps(dst + i, values);
+  }
+}
+
+// Adds scale * (the block sums of chunk c) for weight rows [n, n + R) and the M rows of x into acc. First asks for
+// each row's weight bytes kPrefetchBytes past this chunk's (the rows lie end to end: that is the stream
+// kPrefetchBytes ahead), one line a row, up to prefetch_end: spread over the chunks, not all of a block's at once.
+template <int M, int R>
+__attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
+    const Int4Matrix& w, const NibbleRows& x, int64_t n, int64_t c, const float* scales, const uint8_t* prefetch_end,
+    __m512 (&acc)[R][M]) {
+  const int64_t row_bytes = w.K / 2, left = row_bytes - c * 64, G = x.padded_groups;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* ahead = w.q + (n + r) * row_bytes + c * 64 + kPrefetchBytes;
+    if (ahead < prefetch_end) __builtin_prefetch(ahead);
+  }
+  const __mmask64 mask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i lane_group = _mm512_loadu_si512(x.lane_group + c * 16);
+  __m512i even[R], odd[R];
+  __m512 scale[R];
+  for (int r = 0; r < R; ++r) {
+    const __m512i bytes = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * row_bytes + c * 64);
+    even[r] = _mm512_and_si512(bytes, nibble);
+    odd[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + x.first_group[c]));
+  }
+  for (int m = 0; m < M; ++m) {
+    const int64_t at = m * x.planes.Kpad + c * kNibbleChunk;
+    const __m512i high_even = _mm512_loadu_si512(x.planes.high + at);
+    const __m512i high_odd = _mm512_loadu_si512(x.planes.high + at + 64);
+    const __m512i low_even = _mm512_loadu_si512(x.planes.low + at);
+    const __m512i low_odd = _mm512_loadu_si512(x.planes.low + at + 64);
+    for (int r = 0; r < R; ++r) {
+      __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even[r], high_even);
+      sum = _mm512_slli_epi32(_mm512_dpbusd_epi32(sum, odd[r], high_odd), 8);
+      sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, low_even, even[r]), low_odd, odd[r]);
+      acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[r][m]);
+    }
+  }
+}
+
+// out[m, n + r] for the weight rows [n, n + R) and the M rows of x, the task's rows ending at `end`. The block asks
+// for the scales and offsets of the rows whose weights are being fetched (as many rows ahead as kPrefetchBytes).
+template <typename T, int M, int R>
+__attribute__((target("avx512vnni"))) inline void gemv_int4_vnni_block(const Int4Matrix& w, const NibbleRows& x,
+                                                                       const float* bias, T* out, int64_t n,
+                                                                       int64_t end) {
+  const int64_t row_bytes = w.K / 2, G = x.padded_groups;
+  const int64_t ahead = n + std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  for (const Parameters* p : {&w.scales, &w.offsets}) {
+    prefetch_span(p->address(ahead * w.groups), p->address((ahead + R) * w.groups), p->address(end * w.groups));
+  }
+  static thread_local std::vector<float> parameters;
+  if (static_cast<int64_t>(parameters.size()) < 2 * R * G) parameters.resize(2 * R * G);
+  float* const scales = parameters.data();
+  float* const offsets = scales + R * G;
+  for (int r = 0; r < R; ++r) {
+    widen_parameters(w.scales, (n + r) * w.groups, w.groups, G, scales + r * G);
+    widen_parameters(w.offsets, (n + r) * w.groups, w.groups, G, offsets + r * G);
+  }
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < x.chunks; ++c) nibble_chunk<M, R>(w, x, n, c, scales, w.q + end * row_bytes, acc);
+  // The offsets' terms join the same accumulators (the padding's zeros add nothing).
+  for (int64_t g = 0; g < G - 16; g += 16) {
+    for (int m = 0; m < M; ++m) {
+      const __m512 sums = _mm512_loadu_ps(x.group_sums + m * G + g);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + r * G + g), sums, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < M; ++m) {
+      const float total = _mm512_reduce_add_ps(acc[r][m]);
+      out[m * w.N + n + r] = static_cast<T>(std::fma(total, x.planes.step[m], bias ? bias[n + r] : 0.f));
+    }
+  }
+}
+
+template <typename T, int M>
+void gemv_int4_vnni_rows(const Int4Matrix& w, const NibbleRows& x, const float* bias, T* out) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t blocks = (w.N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.K / 2 * R, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * R, last = std::min(end * R, w.N);
+    int64_t n = first;
+    for (; n + R <= last; n += R) gemv_int4_vnni_block<T, M, R>(w, x, bias, out, n, last);
+    for (; n < last; ++n) gemv_int4_vnni_block<T, M, 1>(w, x, bias, out, n, last);
+  });
+}
+
+// Whether the integer w4 GEMV takes this weight: groups of whole 32-column blocks, each group's integer sum of x
+// within int32 (and K within split_rows' range), on a CPU with AVX512_VNNI.
+inline bool int4_vnni_shape_fits(int64_t K, int64_t group_size) {
+  return group_size % 32 == 0 && K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+}
+
+// out [M, N] (T, x's dtype) = x [M, K] @ W.T (+ bias) for 1 to 8 rows of x (int4_vnni_shape_fits).
+template <typename T>
+void gemv_int4_vnni(const Int4Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
+  const NibbleRows rows = nibble_rows(w, x, M);
+  switch (M) {
+    case 1: return gemv_int4_vnni_rows<T, 1>(w, rows, bias, out);
+    case 2: return gemv_int4_vnni_rows<T, 2>(w, rows, bias, out);
+    case 3: return gemv_int4_vnni_rows<T, 3>(w, rows, bias, out);
+    case 4: return gemv_int4_vnni_rows<T, 4>(w, rows, bias, out);
+    case 5: return gemv_int4_vnni_rows<T, 5>(w, rows, bias, out);
+    case 6: return gemv_int4_vnni_rows<T, 6>(w, rows, bias, out);
+    case 7: return gemv_int4_vnni_rows<T, 7>(w, rows, bias, out);
+    case 8: return gemv_int4_vnni_rows<T, 8>(w, rows, bias, out);
+    default: TORCH_CHECK(false, "linear_w4: the VNNI GEMV takes 1 to 8 rows, got ", M);
+  }
+}
+
+}  // namespace octavo_cpu
+#endif
