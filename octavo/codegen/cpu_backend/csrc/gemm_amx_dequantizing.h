@@ -22,6 +22,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace octavo_cpu {
@@ -79,6 +80,31 @@ inline void dequantize_row_bf16(const W& w, int64_t n, c10::BFloat16* dst, float
   });
 }
 
+// The w4 row when its groups are whole 32-column chunks (every group starts on a byte): per group, its 16 possible
+// values q * scale + offset (float32, as the layout defines them) rounded to bfloat16 once into a table, and every
+// 32 columns looked up at once by their nibbles (vpermw); the same bfloat16 values as the general path, without
+// widening each weight to float32.
+__attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_lookup(const Int4Weight& w, int64_t n,
+                                                                            c10::BFloat16* dst) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F), high_nibble = _mm512_set1_epi32(0xF0);
+  const uint8_t* row = w.row(n);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512 values =
+        _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(w.scale(n, g))), _mm512_set1_ps(w.offset(n, g)));
+    const __m512i table = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    for (int64_t k = g * w.group_size; k < std::min((g + 1) * w.group_size, w.K); k += 32) {
+      const int64_t count = std::min<int64_t>(32, w.K - k);
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << (count / 2)) - 1), row + k / 2));
+      // 32-bit lane j: column 2j's nibble in its low half, column 2j + 1's in its high half.
+      const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low_nibble),
+                                            _mm512_slli_epi32(_mm512_and_si512(bytes, high_nibble), 12));
+      const __mmask32 mask = count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1;
+      _mm512_mask_storeu_epi16(dst + k, mask, _mm512_permutexvar_epi16(index, table));
+    }
+  }
+}
+
 // words [pairs][32] = the block's 32 bfloat16 rows (ld `lda`, K padded with zeros) in the packed layout: word (p, c)
 // holds row c's values 2p (low half) and 2p + 1 (high half), which on a little-endian CPU is row c's word p.
 inline void transpose_block(const c10::BFloat16* rows, int64_t lda, int64_t pairs, uint32_t* words) {
@@ -112,7 +138,15 @@ void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int6
     TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
-      for (int64_t i = 0; i < columns; ++i) dequantize_row_bf16(w, n0 + i, rows.data() + i * lda, scratch.data());
+      for (int64_t i = 0; i < columns; ++i) {
+        if constexpr (std::is_same_v<W, Int4Weight>) {
+          if (w.group_size % 32 == 0) {
+            dequantize_row_bf16_lookup(w, n0 + i, rows.data() + i * lda);
+            continue;
+          }
+        }
+        dequantize_row_bf16(w, n0 + i, rows.data() + i * lda, scratch.data());
+      }
       transpose_block(rows.data(), lda, pairs, words.data());
       for (int64_t first = 0; first < pairs; first += chunk) {
         const int64_t count = std::min(chunk, pairs - first);
