@@ -1,10 +1,12 @@
 """linear_w8's integer GEMV (gemv_int8_vnni.h): a bfloat16 / float16 model's decode rows, int8 weights with one
-scale per row, on AVX512_VNNI CPUs (AVX-512 build), against the definition and against the AMX-INT8 GEMM.
+scale per row or per group of a multiple of 32 columns, on AVX512_VNNI CPUs (AVX-512 build), against the
+definition and (one scale per row) against the AMX-INT8 GEMM.
 
 Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
 exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
 derives for that GEMM (assert_within_int8_rounding). Where the integer GEMV does not run (another CPU or build, a
-float32 x, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies. On CPUs with both AMX-INT8 and AVX512_VNNI
+float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies. Grouped weights have a bound of
+their own (assert_within_grouped_int8_rounding). On CPUs with both AMX-INT8 and AVX512_VNNI
 a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
 """
 
@@ -16,6 +18,7 @@ import torch
 from octavo.codegen.cpu_backend.isa import _linux_cpu_flags
 from octavo.ir.quantized_layout import dequantize_w8
 from tests.codegen.cpu.test_cpu_linear_quantized import (
+    OUTPUT_UNIT,
     assert_within_int8_rounding,
     assert_within_rounding,
     int8_gemm_runs,
@@ -78,18 +81,87 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
             assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True)
 
 
-def test_float32_rows_and_grouped_weights_keep_the_float32_gemv(cpu_kernels, monkeypatch):
-    """A float32 x (a float32 model's decode) and weights with several scales a row never take the integer GEMV:
+def assert_within_grouped_int8_rounding(output, x, qweight, scales, group_size, bias) -> None:
+    """The grouped integer GEMV against the definition. Its result is, up to float32 roundings,
+    sum_k q_k * scale_g * x~_k + bias (x~_k = xi_k * s, s = max |x_row| / 32767, which moves x_k by at most
+    (0.5 + 2^-9) s + 2^-22 |x_k|); the definition's weights fl(q_k * scale_g) differ from q_k * scale_g by gamma_1
+    of it; fewer than K additions and 8 other operations stand on any term's way. So the bound is
+      sum_k |w_k| ((0.5 + 2^-9) s + 2^-22 |x_k|) + (gamma_1 + gamma_{K+8}) sum_k |w_k| (|x_k| + s)
+      + gamma_{K+8} |bias|, plus the output's rounding to x's dtype."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    k = flat.shape[1]
+    weight = dequantize_w8(qweight, scales, group_size).double()
+    exact = flat @ weight.T + (0 if bias is None else bias.double())
+    step = flat.abs().amax(dim=1, keepdim=True) / 32767
+    unit = 2.0 ** -24
+
+    def gamma(n: int) -> float:
+        return n * unit / (1 - n * unit)
+
+    integer_rounding = (0.5 + 2.0 ** -9) * step * weight.abs().sum(dim=1) + 2.0 ** -22 * (flat.abs() @ weight.abs().T)
+    bias_part = 0 if bias is None else gamma(k + 8) * bias.double().abs()
+    bound = integer_rounding + (gamma(1) + gamma(k + 8)) * ((flat.abs() + step) @ weight.abs().T) + bias_part
+    bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
+    error = (output.reshape(exact.shape).double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
+
+
+# (N, K, group size): groups of 32 (GGUF's Q8_0, the w4 artifacts' embedding and lm_head) and 64; K = 200 ends
+# inside a group and a 64-column chunk; groups of 96 span chunks.
+GROUPED_SHAPES = [(37, 200, 32), (960, 576, 32), (96, 1536, 64), (29, 384, 96)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize(("n", "k", "group_size"), GROUPED_SHAPES, ids=lambda value: str(value))
+@pytest.mark.parametrize(("dtype", "scale_dtype"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+                                                    (torch.bfloat16, torch.float32)], ids=["bf16", "fp16", "fp32s"])
+def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype, scale_dtype, cpu_kernels,
+                                                  monkeypatch):
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    x = decode_rows(rows, k, dtype, rows + n + k)
+    generator = torch.Generator().manual_seed(n * k + group_size)
+    bias = torch.randn(n, generator=generator)
+    qweight, scales = w8_weight(n, k, group_size, scale_dtype, generator)
+    weight = dequantize_w8(qweight, scales, group_size)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
+    if integer_gemv_runs(cpu_kernels):
+        assert_within_grouped_int8_rounding(output, x, qweight, scales, group_size, bias)
+    else:
+        assert_within_rounding(output, x, weight, bias, w8=True)
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
+    floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
+    assert_within_rounding(floating, x, weight, bias, w8=True)
+    if integer_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+        assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
+
+
+def test_the_grouped_bound_catches_a_wrong_group(cpu_kernels, monkeypatch):
+    """The bound is no blanket: against a definition with the scales of two groups swapped, the same output fails
+    it."""
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    generator = torch.Generator().manual_seed(9)
+    qweight, scales = w8_weight(64, 576, 32, torch.float16, generator)
+    x = decode_rows(2, 576, torch.bfloat16, 9)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32, True)
+    assert_within_grouped_int8_rounding(output, x, qweight, scales, 32, None)
+    swapped = scales.clone()
+    swapped[:, [4, 5]] = scales[:, [5, 4]]
+    with pytest.raises(AssertionError, match="max error"):
+        assert_within_grouped_int8_rounding(output, x, qweight, swapped, 32, None)
+
+
+def test_float32_rows_and_other_groups_keep_the_float32_gemv(cpu_kernels, monkeypatch):
+    """A float32 x (a float32 model's decode) and groups of no multiple of 32 columns never take the integer GEMV:
     their results are the float32 GEMV's bits."""
     generator = torch.Generator().manual_seed(5)
     qweight, scales = w8_weight(96, 576, 576, torch.float16, generator)
-    grouped_q, grouped_scales = w8_weight(96, 576, 64, torch.float16, generator)
+    grouped_q, grouped_scales = w8_weight(96, 576, 48, torch.float16, generator)
     x32 = torch.randn(3, 576, generator=generator)
     results = {}
     for choice in ("", "float"):
         monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", choice)
         results[choice] = (torch.ops.octavo_cpu.linear_w8(x32, qweight, scales, None, 576, True),
-                           torch.ops.octavo_cpu.linear_w8(x32.bfloat16(), grouped_q, grouped_scales, None, 64, True))
+                           torch.ops.octavo_cpu.linear_w8(x32.bfloat16(), grouped_q, grouped_scales, None, 48, True))
     for default, floating in zip(results[""], results["float"], strict=True):
         assert torch.equal(default, floating)
 

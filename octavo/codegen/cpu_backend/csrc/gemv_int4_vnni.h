@@ -21,6 +21,7 @@
 #include "gemm_amx_int8.h"
 #include "gemv_int8.h"
 #include "gemv_int8_vnni.h"
+#include "vnni_groups.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/Parallel.h>
@@ -43,24 +44,18 @@ struct Int4Matrix {
 
 // x prepared for the kernel: the planes of split_rows over x's columns reordered chunk by chunk (slot j < 64 of a
 // chunk is its column 2j, slot 64 + j its column 2j + 1, zeros past K), each row's integer sum over every group
-// (float32, zeros up to padded_groups), and for each chunk its first group and every lane's group relative to it.
+// (float32, zeros up to padded_groups), and each chunk's groups (a lane sums 8 of its columns).
 struct NibbleRows {
   SplitRows planes;
-  const float* group_sums;       // [M][padded_groups]
-  const int32_t* first_group;    // [chunks]
-  const int32_t* lane_group;     // [chunks][16]
-  int64_t chunks, padded_groups;
+  const float* group_sums;  // [M][padded_groups]
+  ChunkGroups groups;
+  int64_t padded_groups;
 };
-
-// Groups rounded up to whole vectors, and one vector more: a chunk's scales are loaded as a vector from its first
-// group, which may lie in the last vector.
-inline int64_t padded_groups(int64_t groups) { return round_up(groups, 16) + 16; }
 
 template <typename T>
 NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
   static thread_local std::vector<T> reordered;
   static thread_local std::vector<float> sums;
-  static thread_local std::vector<int32_t> first, lanes;
   const int64_t K = w.K, chunks = (K + kNibbleChunk - 1) / kNibbleChunk, width = chunks * kNibbleChunk;
   const int64_t G = padded_groups(w.groups);
   reordered.assign(M * width, T(0.f));
@@ -90,46 +85,7 @@ NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
       sums[m * G + g] = static_cast<float>(group_sum);
     }
   }
-  // Each chunk's groups depend on K and the group size only: kept for the thread's next call of the same shape.
-  static thread_local int64_t lanes_k = -1, lanes_group_size = -1;
-  if (lanes_k == K && lanes_group_size == w.group_size) {
-    return NibbleRows{planes, sums.data(), first.data(), lanes.data(), chunks, G};
-  }
-  lanes_k = K;
-  lanes_group_size = w.group_size;
-  first.resize(chunks);
-  lanes.resize(chunks * 16);
-  for (int64_t c = 0; c < chunks; ++c) {
-    first[c] = static_cast<int32_t>(c * kNibbleChunk / w.group_size);
-    for (int64_t lane = 0; lane < 16; ++lane) {
-      // Lane i sums columns 8i .. 8i + 7 of the chunk; past K its sums are zero and any group of the row will do.
-      const int64_t group = std::min((c * kNibbleChunk + lane / 4 * 32) / w.group_size, w.groups - 1);
-      lanes[c * 16 + lane] = static_cast<int32_t>(group - first[c]);
-    }
-  }
-  return NibbleRows{planes, sums.data(), first.data(), lanes.data(), chunks, G};
-}
-
-// dst[0:count] = p[first:first + count] as float32, dst[count:padded] = 0 (padded: padded_groups(count)).
-inline void widen_parameters(const Parameters& p, int64_t first, int64_t count, int64_t padded, float* dst) {
-  _mm512_storeu_ps(dst + padded - 16, _mm512_setzero_ps());
-  for (int64_t i = 0; i < padded - 16; i += 16) {
-    const int64_t left = count - i;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    __m512 values;
-    switch (p.type) {
-      case Parameters::Type::kHalf:
-        values = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.address(first + i)));
-        break;
-      case Parameters::Type::kBFloat16:
-        values = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.address(first + i))), 16));
-        break;
-      default:
-        values = _mm512_maskz_loadu_ps(mask, p.address(first + i));
-    }
-    _mm512_storeu_ps(dst + i, values);
-  }
+  return NibbleRows{planes, sums.data(), chunk_groups<kNibbleChunk, 8>(K, w.group_size, w.groups), G};
 }
 
 // Adds scale * (the block sums of chunk c) for weight rows [n, n + R) and the M rows of x into acc. First asks for
@@ -146,14 +102,14 @@ __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
   }
   const __mmask64 mask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i lane_group = _mm512_loadu_si512(x.lane_group + c * 16);
+  const __m512i lane_group = _mm512_loadu_si512(x.groups.lane_group + c * 16);
   __m512i even[R], odd[R];
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
     const __m512i bytes = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * row_bytes + c * 64);
     even[r] = _mm512_and_si512(bytes, nibble);
     odd[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + x.first_group[c]));
+    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + x.groups.first_group[c]));
   }
   for (int m = 0; m < M; ++m) {
     const int64_t at = m * x.planes.Kpad + c * kNibbleChunk;
@@ -192,7 +148,7 @@ __attribute__((target("avx512vnni"))) inline void gemv_int4_vnni_block(const Int
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < x.chunks; ++c) nibble_chunk<M, R>(w, x, n, c, scales, w.q + end * row_bytes, acc);
+  for (int64_t c = 0; c < x.groups.chunks; ++c) nibble_chunk<M, R>(w, x, n, c, scales, w.q + end * row_bytes, acc);
   // The offsets' terms join the same accumulators (the padding's zeros add nothing).
   for (int64_t g = 0; g < G - 16; g += 16) {
     for (int m = 0; m < M; ++m) {

@@ -1,5 +1,6 @@
-// The w8 GEMV of a bfloat16 model (bf16_gemm) for int8 weights with one scale per row, on CPUs with AVX512_VNNI:
-// up to 8 rows of x, out [M, N] = x @ (float(q) * scale).T (+ bias), in the arithmetic of gemm_amx_int8.h.
+// The w8 GEMV of a bfloat16 model (bf16_gemm) on CPUs with AVX512_VNNI, for int8 weights with one scale per row
+// (below) or per group of a multiple of 32 columns (at the end): up to 8 rows of x, out [M, N] =
+// x @ (float(q) * scale).T (+ bias); per row in the arithmetic of gemm_amx_int8.h.
 //
 // Each row of x is rounded to 16-bit integers on its own step (the GEMM's split_rows: xi = 256 * high + low,
 // |xi * step - x| <= step / 2 plus float32 roundings), and for each weight row the exact int32 sums of high * q
@@ -16,6 +17,7 @@
 
 #include "gemm_amx_int8.h"
 #include "gemv_int8.h"
+#include "vnni_groups.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/Parallel.h>
@@ -102,20 +104,111 @@ void gemv_int8_vnni_rows(const Int8Matrix& w, const SplitRows& x, const float* b
   });
 }
 
-// out [M, N] (T, x's dtype) = x [M, K] @ W.T (+ bias) for 1 to 8 rows of x and int8 weights with one scale per row
-// (w.groups == 1, K below kInt8GemmMaxK), on a CPU with AVX512_VNNI.
+// ---- weights in groups of a multiple of 32 columns (one scale per group) --------------------------------------
+// The same integer sums, a 64-column chunk at a time (lane i sums columns 4i .. 4i + 3 of the chunk: a 32-column
+// block is 8 lanes), each lane's exact sum of q * xi (|sum| <= 4 * 128 * 32767 < 2^24, so widened exactly) times
+// its group's scale into float32 accumulators, then out = step * (their sum) + bias, rounded to x's dtype.
+
+// Adds scale * (the lane sums of chunk c) for the weight rows [n, n + R) and the M rows of x into acc; first asks
+// for each row's weight bytes kPrefetchBytes past this chunk's, up to prefetch_end.
+template <int M, int R>
+__attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_chunk(
+    const Int8Matrix& w, const SplitRows& x, const ChunkGroups& groups, int64_t n, int64_t c, const float* scales,
+    int64_t G, const int8_t* prefetch_end, __m512 (&acc)[R][M]) {
+  const int64_t K = w.K, left = K - c * 64;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* ahead = w.q + (n + r) * K + c * 64 + kPrefetchBytes;
+    if (ahead < prefetch_end) __builtin_prefetch(ahead);
+  }
+  const __mmask64 mask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+  const __m512i one = _mm512_set1_epi8(1), top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i lane_group = _mm512_loadu_si512(groups.lane_group + c * 16);
+  __m512i q[R], q_sums[R];
+  __m512 scale[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * K + c * 64);
+    q_sums[r] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, q[r]), 7);  // 128 * sum of q
+    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + groups.first_group[c]));
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m512i high = _mm512_xor_si512(_mm512_loadu_si512(x.high + m * x.Kpad + c * 64), top_bit);
+    const __m512i low = _mm512_loadu_si512(x.low + m * x.Kpad + c * 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512i high_sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, q[r]), q_sums[r]);
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_slli_epi32(high_sum, 8), low, q[r]);
+      acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[r][m]);
+    }
+  }
+}
+
+// out[m, n + r] for the weight rows [n, n + R) and the M rows of x, the task's rows ending at `end`; the block asks
+// for the scales of the rows whose weights are being fetched.
+template <typename T, int M, int R>
+__attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8Matrix& w, const SplitRows& x,
+                                                                     const ChunkGroups& groups, const float* bias,
+                                                                     T* out, int64_t n, int64_t end) {
+  const int64_t G = padded_groups(w.groups);
+  const int64_t ahead = n + std::max<int64_t>(1, kPrefetchBytes / w.K);
+  prefetch_span(w.scales.address(ahead * w.groups), w.scales.address((ahead + R) * w.groups),
+                w.scales.address(end * w.groups));
+  static thread_local std::vector<float> parameters;
+  if (static_cast<int64_t>(parameters.size()) < R * G) parameters.resize(R * G);
+  float* const scales = parameters.data();
+  for (int r = 0; r < R; ++r) widen_parameters(w.scales, (n + r) * w.groups, w.groups, G, scales + r * G);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < groups.chunks; ++c) {
+    grouped_int8_chunk<M, R>(w, x, groups, n, c, scales, G, w.q + end * w.K, acc);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < M; ++m) {
+      const float total = _mm512_reduce_add_ps(acc[r][m]);
+      out[m * w.N + n + r] = static_cast<T>(std::fma(total, x.step[m], bias ? bias[n + r] : 0.f));
+    }
+  }
+}
+
+template <typename T, int M>
+void grouped_int8_rows(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const ChunkGroups groups = chunk_groups<64, 4>(w.K, w.group_size, w.groups);
+  const int64_t blocks = (w.N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.K * R, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * R, last = std::min(end * R, w.N);
+    int64_t n = first;
+    for (; n + R <= last; n += R) grouped_int8_block<T, M, R>(w, x, groups, bias, out, n, last);
+    for (; n < last; ++n) grouped_int8_block<T, M, 1>(w, x, groups, bias, out, n, last);
+  });
+}
+
+// Whether the integer w8 GEMV takes these weights: one scale per row, or groups of whole 32-column blocks; K below
+// kInt8GemmMaxK; a CPU with AVX512_VNNI.
+inline bool int8_vnni_shape_fits(int64_t K, int64_t group_size, int64_t groups) {
+  return (groups == 1 || group_size % 32 == 0) && K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+}
+
+template <typename T, int M>
+void gemv_int8_vnni_any(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out) {
+  if (w.groups == 1) return gemv_int8_vnni_rows<T, M>(w, x, bias, out);
+  grouped_int8_rows<T, M>(w, x, bias, out);
+}
+
+// out [M, N] (T, x's dtype) = x [M, K] @ W.T (+ bias) for 1 to 8 rows of x and int8 weights that
+// int8_vnni_shape_fits.
 template <typename T>
 void gemv_int8_vnni(const Int8Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
   const SplitRows rows = split_rows(x, M, w.K);
   switch (M) {
-    case 1: return gemv_int8_vnni_rows<T, 1>(w, rows, bias, out);
-    case 2: return gemv_int8_vnni_rows<T, 2>(w, rows, bias, out);
-    case 3: return gemv_int8_vnni_rows<T, 3>(w, rows, bias, out);
-    case 4: return gemv_int8_vnni_rows<T, 4>(w, rows, bias, out);
-    case 5: return gemv_int8_vnni_rows<T, 5>(w, rows, bias, out);
-    case 6: return gemv_int8_vnni_rows<T, 6>(w, rows, bias, out);
-    case 7: return gemv_int8_vnni_rows<T, 7>(w, rows, bias, out);
-    case 8: return gemv_int8_vnni_rows<T, 8>(w, rows, bias, out);
+    case 1: return gemv_int8_vnni_any<T, 1>(w, rows, bias, out);
+    case 2: return gemv_int8_vnni_any<T, 2>(w, rows, bias, out);
+    case 3: return gemv_int8_vnni_any<T, 3>(w, rows, bias, out);
+    case 4: return gemv_int8_vnni_any<T, 4>(w, rows, bias, out);
+    case 5: return gemv_int8_vnni_any<T, 5>(w, rows, bias, out);
+    case 6: return gemv_int8_vnni_any<T, 6>(w, rows, bias, out);
+    case 7: return gemv_int8_vnni_any<T, 7>(w, rows, bias, out);
+    case 8: return gemv_int8_vnni_any<T, 8>(w, rows, bias, out);
     default: TORCH_CHECK(false, "linear_w8: the VNNI GEMV takes 1 to 8 rows, got ", M);
   }
 }

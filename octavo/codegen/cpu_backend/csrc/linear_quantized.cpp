@@ -21,7 +21,9 @@
 // - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
 //   own, exact integer sums, scaled once (see gemm_amx_int8.h).
 // - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AVX512_VNNI CPUs (gemv_int8_vnni.h): the
-//   AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to integers, exact sums, scaled once).
+//   AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to integers, exact sums, scaled once);
+//   groups of a multiple of 32 columns there: exact integer sums per 4 columns, scaled by their group's scale and
+//   summed in float32, times x's step.
 // - w4 GEMV with bf16_gemm on bfloat16 / float16 rows, groups of a multiple of 32 columns, AVX512_VNNI CPUs
 //   (gemv_int4_vnni.h): x's rows rounded to integers as above, exact integer sums per group, then
 //   out = step * (sum over groups of scale * sum(q * xi) + offset * sum(xi)) (+ bias) in float32.
@@ -204,10 +206,10 @@ bool float_gemv_asked(const char* variable) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Whether a w8 GEMV with bf16_gemm on bfloat16 or float16 rows (a reduced-precision model's decode; a float32 x
-// keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row, K within its exact int32
-// range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float.
+// keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row or groups of whole
+// 32-column blocks, K within its exact int32 range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float.
 bool integer_w8_gemv_usable(const Int8Weight& w) {
-  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && w.groups == 1 && w.K < kInt8GemmMaxK && cpu_has_avx512_vnni();
+  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && int8_vnni_shape_fits(w.K, w.group_size, w.groups);
 }
 
 // The same for w4 (gemv_int4_vnni.h): groups of whole 32-column blocks, K within its range, an AVX512_VNNI CPU,
