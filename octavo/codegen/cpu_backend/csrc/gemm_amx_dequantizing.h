@@ -138,7 +138,12 @@ void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int6
     TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
+      // The next block's weight rows are asked for as this block's are dequantized: they arrive while its tiles
+      // run (the rows are read once per call, from memory).
+      const uint8_t* prefetch_end = w.row(std::min(end * kBf16BlockColumns, N));
       for (int64_t i = 0; i < columns; ++i) {
+        const uint8_t* next = w.row(n0 + kBf16BlockColumns + i);
+        prefetch_span(next, next + w.row_bytes(), prefetch_end);
         if constexpr (std::is_same_v<W, Int4Weight>) {
           if (w.group_size % 32 == 0) {
             dequantize_row_bf16_lookup(w, n0 + i, rows.data() + i * lda);
