@@ -37,16 +37,22 @@ inline bool cpu_has_avx512_vnni() {
 // the zeros the masked load gives q there): high[r][m] = sum of (high + 128) * q (the signed high byte made
 // unsigned by flipping its top bit), low[r][m] = sum of low * q, ones[r] = sum of q, each in 16 int32 lanes
 // (added across lanes by the caller).
+// Each 64-byte step first asks for each row's weight bytes kPrefetchBytes past it (the rows lie end to end: that is
+// the stream kPrefetchBytes ahead), up to prefetch_end: spread over the row, not all of a block's lines at once.
 template <int M, int R>
 __attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
-    const int8_t* q, int64_t K, const SplitRows& x, int64_t n, __m512i (&high)[R][M], __m512i (&low)[R][M],
-    __m512i (&ones)[R]) {
+    const int8_t* q, int64_t K, const SplitRows& x, int64_t n, const int8_t* prefetch_end, __m512i (&high)[R][M],
+    __m512i (&low)[R][M], __m512i (&ones)[R]) {
   const __m512i one = _mm512_set1_epi8(1), top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int r = 0; r < R; ++r) {
     ones[r] = _mm512_setzero_si512();
     for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
   }
   for (int64_t k = 0; k < K; k += 64) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* ahead = q + (n + r) * K + k + kPrefetchBytes;
+      if (ahead < prefetch_end) __builtin_prefetch(ahead);
+    }
     const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
     __m512i w[R];
     for (int r = 0; r < R; ++r) {
@@ -69,9 +75,8 @@ template <typename T, int M, int R>
 __attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int8Matrix& w, const SplitRows& x,
                                                                        const float* bias, T* out, int64_t n,
                                                                        const int8_t* prefetch_end) {
-  prefetch_span(w.q + n * w.K + kPrefetchBytes, w.q + (n + R) * w.K + kPrefetchBytes, prefetch_end);
   __m512i high[R][M], low[R][M], ones[R];
-  vnni_row_sums<M, R>(w.q, w.K, x, n, high, low, ones);
+  vnni_row_sums<M, R>(w.q, w.K, x, n, prefetch_end, high, low, ones);
   for (int r = 0; r < R; ++r) {
     const int32_t q_sum = _mm512_reduce_add_epi32(ones[r]);
     const float scale = w.scales[n + r];
