@@ -33,6 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from octavo.codegen.cpu_backend.isa import _linux_cpu_flags
 from octavo.ir.quantized_layout import dequantize_fp8, dequantize_w4, dequantize_w8, num_groups, pack_int4
 
 ROWS = [1, 2, 7, 8, 9, 64]
@@ -231,6 +232,52 @@ def assert_within_int8_rounding(output: torch.Tensor, x: torch.Tensor, qweight: 
     gamma = 8 * 2.0 ** -24 / (1 - 8 * 2.0 ** -24)
     magnitude = flat.abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
     bound = integer_rounding + (2.0 ** -22) * (flat.abs() @ weight.abs().T) + gamma * magnitude
+    bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
+    error = (output.reshape(exact.shape).double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
+
+
+def integer_gemv_runs(cpu_kernels) -> bool:
+    """Whether a bfloat16 / float16 x's quantized GEMV (with bf16_gemm) sums in integers here (gemv_int8_vnni.h,
+    gemv_int4_vnni.h): the AVX-512 build on a CPU with AVX512_VNNI."""
+    return cpu_kernels.target.level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
+
+
+def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Decode rows of a reduced-precision model, each of its own scale, the first with an outlier."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
+    x[0, 3] = 40.0  # an outlier: its row's step is coarse
+    return x
+
+
+def assert_within_grouped_integer_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                           terms: torch.Tensor, weight_roundings: int,
+                                           bias: torch.Tensor | None) -> None:
+    """A grouped integer GEMV's result against the definition (`weight`, the layout's float32 dequantization).
+
+    Up to float32 roundings the GEMV computes sum_k w~_k x~_k + bias, where x~_k = xi_k * s (s = max |x_row| / 32767,
+    which moves x_k by at most (0.5 + 2^-9) s + 2^-22 |x_k|) and w~_k is the weight in exact arithmetic from its
+    stored parts, whose terms' magnitudes `terms` [N, K] holds (|q scale| for w8, |q scale| + |offset| for w4);
+    the definition's weight is w~_k after `weight_roundings` float32 roundings, within gamma_r of `terms`. Fewer
+    than K additions and 8 other operations stand on any term's way. So the bound is
+      sum_k |w_k| ((0.5 + 2^-9) s + 2^-22 |x_k|) + (gamma_r + gamma_{K+8}) sum_k terms_k (|x_k| + s)
+      + gamma_{K+8} |bias|,
+    plus the output's rounding to x's dtype."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    k = flat.shape[1]
+    weight = weight.double()
+    exact = flat @ weight.T + (0 if bias is None else bias.double())
+    step = flat.abs().amax(dim=1, keepdim=True) / 32767
+    unit = 2.0 ** -24
+
+    def gamma(n: int) -> float:
+        return n * unit / (1 - n * unit)
+
+    integer_rounding = (0.5 + 2.0 ** -9) * step * weight.abs().sum(dim=1) + 2.0 ** -22 * (flat.abs() @ weight.abs().T)
+    bias_part = 0 if bias is None else gamma(k + 8) * bias.double().abs()
+    bound = integer_rounding + (gamma(weight_roundings) + gamma(k + 8)) * ((flat.abs() + step) @ terms.double().T)
+    bound = bound + bias_part
     bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
     error = (output.reshape(exact.shape).double() - exact).abs()
     assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"

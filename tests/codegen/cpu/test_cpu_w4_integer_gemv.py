@@ -5,12 +5,10 @@ Its arithmetic: each row of x rounded to 16-bit integers on its own step s = max
 GEMM rounds it), which moves each x_k by at most (0.5 + 2^-9) s + 2^-22 |x_k|; exact integer sums per 32-column
 block and per group; then float32: each block's sum times its group's scale, the offsets times the groups' sums of
 x, all added in float32, times s, plus the bias. So the result is, up to float32 roundings, sum_k w~_k x~_k + bias
-with w~_k = q_k * scale + offset exactly and x~_k = xi_k * s. Against the definition's weights w_k =
-fl(fl(q_k * scale) + offset), |w_k - w~_k| <= gamma_3 (|q_k * scale| + |offset|). Fewer than K additions and 8
-other operations stand on any term's way (Higham, lemma 3.1, as test_cpu_linear_quantized.py), so the bound is
-  sum_k |w_k| ((0.5 + 2^-9) s + 2^-22 |x_k|) + (gamma_3 + gamma_{K+8}) sum_k (|q_k scale| + |offset|)(|x_k| + s)
-  + gamma_{K+8} |bias|,
-plus the output's rounding to x's dtype. Where the integer GEMV does not run (another CPU or build, a float32 x,
+with w~_k = q_k * scale + offset exactly and x~_k = xi_k * s. Against the definition's weights
+w_k = fl(fl(q_k * scale) + offset), |w_k - w~_k| <= gamma_3 (|q_k * scale| + |offset|). The bound is
+test_cpu_linear_quantized.py's assert_within_grouped_integer_rounding with those terms and 3 roundings of the
+weights. Where the integer GEMV does not run (another CPU or build, a float32 x,
 groups of another size, OCTAVO_CPU_W4_GEMV=float) the float32 GEMV's bound applies.
 """
 
@@ -19,17 +17,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.codegen.cpu_backend.isa import _linux_cpu_flags
 from octavo.ir.quantized_layout import dequantize_w4
-from tests.codegen.cpu.test_cpu_linear_quantized import OUTPUT_UNIT, assert_within_rounding, w4_weight
+from tests.codegen.cpu.test_cpu_linear_quantized import (
+    assert_within_grouped_integer_rounding,
+    assert_within_rounding,
+    decode_rows,
+    integer_gemv_runs,
+    w4_weight,
+)
 
 # (N, K, group size): K = 200 ends inside a 32-column block and a 128-column chunk; 576 and 1536 are SmolLM2's
 # (groups of 32 as GGUF's Q4_1, 64 and 128 as AWQ / GPTQ); groups of 96 span chunks; N no multiple of 4.
 SHAPES = [(37, 200, 32), (13, 576, 64), (960, 576, 32), (96, 1536, 128), (29, 384, 96)]
-
-
-def integer_gemv_runs(cpu_kernels) -> bool:
-    return cpu_kernels.target.level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -37,33 +36,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def assert_within_int4_rounding(output, x, packed, scales, offsets, group_size, bias) -> None:
-    """linear_w4's integer GEMV against the definition, within the bound of the module docstring."""
-    flat = x.reshape(-1, x.shape[-1]).double()
-    k = flat.shape[1]
-    weight = dequantize_w4(packed, scales, offsets, group_size).double()
-    exact = flat @ weight.T + (0 if bias is None else bias.double())
-    columns = torch.arange(k) // group_size
-    spread = (unpack_int4(packed).double() * scales.double()[:, columns]).abs() + offsets.double()[:, columns].abs()
-    step = flat.abs().amax(dim=1, keepdim=True) / 32767
-    unit = 2.0 ** -24
-
-    def gamma(n: int) -> float:
-        return n * unit / (1 - n * unit)
-
-    integer_rounding = (0.5 + 2.0 ** -9) * step * weight.abs().sum(dim=1) + 2.0 ** -22 * (flat.abs() @ weight.abs().T)
-    bias_part = 0 if bias is None else gamma(k + 8) * bias.double().abs()
-    bound = integer_rounding + (gamma(3) + gamma(k + 8)) * ((flat.abs() + step) @ spread.T) + bias_part
-    bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
-    error = (output.reshape(exact.shape).double() - exact).abs()
-    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
-
-
-def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
-    x[0, 3] = 40.0  # an outlier: its row's step is coarse
-    return x
+def w4_terms(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
+    """|q_k * scale| + |offset| for every weight: the magnitudes of the parts the GEMV sums exactly."""
+    columns = torch.arange(2 * packed.shape[1]) // group_size
+    values = unpack_int4(packed).double()
+    return (values * scales.double()[:, columns]).abs() + offsets.double()[:, columns].abs()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
@@ -79,7 +56,8 @@ def test_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype, scale_d
     weight = dequantize_w4(packed, scales, offsets, group_size)
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, bias, group_size, True)
     if integer_gemv_runs(cpu_kernels):
-        assert_within_int4_rounding(output, x, packed, scales, offsets, group_size, bias)
+        terms = w4_terms(packed, scales, offsets, group_size)
+        assert_within_grouped_integer_rounding(output, x, weight, terms, 3, bias)
     else:
         assert_within_rounding(output, x, weight, bias)
     monkeypatch.setenv("OCTAVO_CPU_W4_GEMV", "float")
@@ -97,11 +75,13 @@ def test_the_bound_is_tight_enough_to_catch_a_wrong_group(cpu_kernels, monkeypat
     packed, scales, offsets = w4_weight(64, 576, 32, torch.float16, generator)
     x = decode_rows(2, 576, torch.bfloat16, 9)
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 32, True)
-    assert_within_int4_rounding(output, x, packed, scales, offsets, 32, None)
+    weight = dequantize_w4(packed, scales, offsets, 32)
+    assert_within_grouped_integer_rounding(output, x, weight, w4_terms(packed, scales, offsets, 32), 3, None)
     swapped = scales.clone()
     swapped[:, [4, 5]] = scales[:, [5, 4]]
+    wrong = dequantize_w4(packed, swapped, offsets, 32)
     with pytest.raises(AssertionError, match="max error"):
-        assert_within_int4_rounding(output, x, packed, swapped, offsets, 32, None)
+        assert_within_grouped_integer_rounding(output, x, wrong, w4_terms(packed, swapped, offsets, 32), 3, None)
 
 
 def test_other_groups_and_float32_rows_keep_the_float32_gemv(cpu_kernels, monkeypatch):

@@ -6,7 +6,7 @@ Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded t
 exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
 derives for that GEMM (assert_within_int8_rounding). Where the integer GEMV does not run (another CPU or build, a
 float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies. Grouped weights have a bound of
-their own (assert_within_grouped_int8_rounding). On CPUs with both AMX-INT8 and AVX512_VNNI
+their own (assert_within_grouped_integer_rounding). On CPUs with both AMX-INT8 and AVX512_VNNI
 a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
 """
 
@@ -15,30 +15,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.codegen.cpu_backend.isa import _linux_cpu_flags
 from octavo.ir.quantized_layout import dequantize_w8
 from tests.codegen.cpu.test_cpu_linear_quantized import (
-    OUTPUT_UNIT,
+    assert_within_grouped_integer_rounding,
     assert_within_int8_rounding,
     assert_within_rounding,
+    decode_rows,
     int8_gemm_runs,
+    integer_gemv_runs,
     w8_weight,
 )
 
 # (N, K): N no multiple of the 4 weight rows a step takes; K no multiple of the 64 bytes an instruction reads
 # (100, 216), SmolLM2's q/k/v and down shapes.
 SHAPES = [(37, 100), (13, 216), (960, 576), (96, 1536)]
-
-
-def integer_gemv_runs(cpu_kernels) -> bool:
-    return cpu_kernels.target.level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
-
-
-def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
-    x[0, 3] = 40.0  # an outlier: its row's step is coarse
-    return x
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
@@ -81,31 +71,6 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
             assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True)
 
 
-def assert_within_grouped_int8_rounding(output, x, qweight, scales, group_size, bias) -> None:
-    """The grouped integer GEMV against the definition. Its result is, up to float32 roundings,
-    sum_k q_k * scale_g * x~_k + bias (x~_k = xi_k * s, s = max |x_row| / 32767, which moves x_k by at most
-    (0.5 + 2^-9) s + 2^-22 |x_k|); the definition's weights fl(q_k * scale_g) differ from q_k * scale_g by gamma_1
-    of it; fewer than K additions and 8 other operations stand on any term's way. So the bound is
-      sum_k |w_k| ((0.5 + 2^-9) s + 2^-22 |x_k|) + (gamma_1 + gamma_{K+8}) sum_k |w_k| (|x_k| + s)
-      + gamma_{K+8} |bias|, plus the output's rounding to x's dtype."""
-    flat = x.reshape(-1, x.shape[-1]).double()
-    k = flat.shape[1]
-    weight = dequantize_w8(qweight, scales, group_size).double()
-    exact = flat @ weight.T + (0 if bias is None else bias.double())
-    step = flat.abs().amax(dim=1, keepdim=True) / 32767
-    unit = 2.0 ** -24
-
-    def gamma(n: int) -> float:
-        return n * unit / (1 - n * unit)
-
-    integer_rounding = (0.5 + 2.0 ** -9) * step * weight.abs().sum(dim=1) + 2.0 ** -22 * (flat.abs() @ weight.abs().T)
-    bias_part = 0 if bias is None else gamma(k + 8) * bias.double().abs()
-    bound = integer_rounding + (gamma(1) + gamma(k + 8)) * ((flat.abs() + step) @ weight.abs().T) + bias_part
-    bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30
-    error = (output.reshape(exact.shape).double() - exact).abs()
-    assert (error <= bound).all(), f"max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
-
-
 # (N, K, group size): groups of 32 (GGUF's Q8_0, the w4 artifacts' embedding and lm_head) and 64; K = 200 ends
 # inside a group and a 64-column chunk; groups of 96 span chunks.
 GROUPED_SHAPES = [(37, 200, 32), (960, 576, 32), (96, 1536, 64), (29, 384, 96)]
@@ -125,7 +90,7 @@ def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype,
     weight = dequantize_w8(qweight, scales, group_size)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
     if integer_gemv_runs(cpu_kernels):
-        assert_within_grouped_int8_rounding(output, x, qweight, scales, group_size, bias)
+        assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, bias)
     else:
         assert_within_rounding(output, x, weight, bias, w8=True)
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
@@ -143,11 +108,13 @@ def test_the_grouped_bound_catches_a_wrong_group(cpu_kernels, monkeypatch):
     qweight, scales = w8_weight(64, 576, 32, torch.float16, generator)
     x = decode_rows(2, 576, torch.bfloat16, 9)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32, True)
-    assert_within_grouped_int8_rounding(output, x, qweight, scales, 32, None)
+    weight = dequantize_w8(qweight, scales, 32)
+    assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, None)
     swapped = scales.clone()
     swapped[:, [4, 5]] = scales[:, [5, 4]]
+    wrong = dequantize_w8(qweight, swapped, 32)
     with pytest.raises(AssertionError, match="max error"):
-        assert_within_grouped_int8_rounding(output, x, qweight, swapped, 32, None)
+        assert_within_grouped_integer_rounding(output, x, wrong, wrong.abs(), 1, None)
 
 
 def test_float32_rows_and_other_groups_keep_the_float32_gemv(cpu_kernels, monkeypatch):

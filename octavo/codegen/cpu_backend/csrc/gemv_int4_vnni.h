@@ -187,17 +187,7 @@ inline bool int4_vnni_shape_fits(int64_t K, int64_t group_size) {
 template <typename T>
 void gemv_int4_vnni(const Int4Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
   const NibbleRows rows = nibble_rows(w, x, M);
-  switch (M) {
-    case 1: return gemv_int4_vnni_rows<T, 1>(w, rows, bias, out);
-    case 2: return gemv_int4_vnni_rows<T, 2>(w, rows, bias, out);
-    case 3: return gemv_int4_vnni_rows<T, 3>(w, rows, bias, out);
-    case 4: return gemv_int4_vnni_rows<T, 4>(w, rows, bias, out);
-    case 5: return gemv_int4_vnni_rows<T, 5>(w, rows, bias, out);
-    case 6: return gemv_int4_vnni_rows<T, 6>(w, rows, bias, out);
-    case 7: return gemv_int4_vnni_rows<T, 7>(w, rows, bias, out);
-    case 8: return gemv_int4_vnni_rows<T, 8>(w, rows, bias, out);
-    default: TORCH_CHECK(false, "linear_w4: the VNNI GEMV takes 1 to 8 rows, got ", M);
-  }
+  with_row_count(M, "linear_w4", [&](auto m) { gemv_int4_vnni_rows<T, decltype(m)::value>(w, rows, bias, out); });
 }
 
 }  // namespace octavo_cpu

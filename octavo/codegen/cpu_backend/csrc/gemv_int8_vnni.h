@@ -194,28 +194,16 @@ inline bool int8_vnni_shape_fits(int64_t K, int64_t group_size, int64_t groups) 
   return (groups == 1 || group_size % 32 == 0) && K < kInt8GemmMaxK && cpu_has_avx512_vnni();
 }
 
-template <typename T, int M>
-void gemv_int8_vnni_any(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out) {
-  if (w.groups == 1) return gemv_int8_vnni_rows<T, M>(w, x, bias, out);
-  grouped_int8_rows<T, M>(w, x, bias, out);
-}
-
 // out [M, N] (T, x's dtype) = x [M, K] @ W.T (+ bias) for 1 to 8 rows of x and int8 weights that
 // int8_vnni_shape_fits.
 template <typename T>
 void gemv_int8_vnni(const Int8Matrix& w, const T* x, int64_t M, const float* bias, T* out) {
   const SplitRows rows = split_rows(x, M, w.K);
-  switch (M) {
-    case 1: return gemv_int8_vnni_any<T, 1>(w, rows, bias, out);
-    case 2: return gemv_int8_vnni_any<T, 2>(w, rows, bias, out);
-    case 3: return gemv_int8_vnni_any<T, 3>(w, rows, bias, out);
-    case 4: return gemv_int8_vnni_any<T, 4>(w, rows, bias, out);
-    case 5: return gemv_int8_vnni_any<T, 5>(w, rows, bias, out);
-    case 6: return gemv_int8_vnni_any<T, 6>(w, rows, bias, out);
-    case 7: return gemv_int8_vnni_any<T, 7>(w, rows, bias, out);
-    case 8: return gemv_int8_vnni_any<T, 8>(w, rows, bias, out);
-    default: TORCH_CHECK(false, "linear_w8: the VNNI GEMV takes 1 to 8 rows, got ", M);
-  }
+  with_row_count(M, "linear_w8", [&](auto m) {
+    constexpr int kRows = decltype(m)::value;
+    if (w.groups == 1) return gemv_int8_vnni_rows<T, kRows>(w, rows, bias, out);
+    grouped_int8_rows<T, kRows>(w, rows, bias, out);
+  });
 }
 
 }  // namespace octavo_cpu
