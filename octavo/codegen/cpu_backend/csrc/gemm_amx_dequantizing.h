@@ -16,6 +16,7 @@
 
 #include "gemm_amx_bf16.h"
 #include "gemv_dequantizing.h"
+#include "vnni_groups.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/Parallel.h>
@@ -86,21 +87,36 @@ inline void dequantize_row_bf16(const W& w, int64_t n, c10::BFloat16* dst, float
 // widening each weight to float32.
 __attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_lookup(const Int4Weight& w, int64_t n,
                                                                             c10::BFloat16* dst) {
+  // The row's scales and offsets widened once (one type switch a row, not one a group).
+  static thread_local std::vector<float> parameters;
+  const int64_t padded = padded_groups(w.groups);
+  if (static_cast<int64_t>(parameters.size()) < 2 * padded) parameters.resize(2 * padded);
+  float* const scales = parameters.data();
+  float* const offsets = scales + padded;
+  widen_parameters(w.scales, n * w.groups, w.groups, padded, scales);
+  widen_parameters(w.offsets, n * w.groups, w.groups, padded, offsets);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i low_nibble = _mm512_set1_epi32(0x0F), high_nibble = _mm512_set1_epi32(0xF0);
   const uint8_t* row = w.row(n);
+  // 32-bit lane j of the index: column 2j's nibble in its low half, column 2j + 1's in its high half.
+  const auto lookup = [&](__m128i bytes, __m512i table) {
+    const __m512i wide = _mm512_cvtepu8_epi32(bytes);
+    const __m512i index = _mm512_or_si512(_mm512_and_si512(wide, low_nibble),
+                                          _mm512_slli_epi32(_mm512_and_si512(wide, high_nibble), 12));
+    return _mm512_permutexvar_epi16(index, table);
+  };
   for (int64_t g = 0; g < w.groups; ++g) {
-    const __m512 values =
-        _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(w.scale(n, g))), _mm512_set1_ps(w.offset(n, g)));
+    const __m512 values = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scales[g])), _mm512_set1_ps(offsets[g]));
     const __m512i table = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-    for (int64_t k = g * w.group_size; k < std::min((g + 1) * w.group_size, w.K); k += 32) {
-      const int64_t count = std::min<int64_t>(32, w.K - k);
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << (count / 2)) - 1), row + k / 2));
-      // 32-bit lane j: column 2j's nibble in its low half, column 2j + 1's in its high half.
-      const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low_nibble),
-                                            _mm512_slli_epi32(_mm512_and_si512(bytes, high_nibble), 12));
-      const __mmask32 mask = count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1;
-      _mm512_mask_storeu_epi16(dst + k, mask, _mm512_permutexvar_epi16(index, table));
+    const int64_t last = std::min((g + 1) * w.group_size, w.K);
+    int64_t k = g * w.group_size;
+    for (; k + 32 <= last; k += 32) {
+      _mm512_storeu_si512(dst + k, lookup(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)), table));
+    }
+    if (k < last) {
+      const int64_t count = last - k;
+      const __m128i bytes = _mm_maskz_loadu_epi8((__mmask16)((1u << (count / 2)) - 1), row + k / 2);
+      _mm512_mask_storeu_epi16(dst + k, (__mmask32)((uint64_t{1} << count) - 1), lookup(bytes, table));
     }
   }
 }
