@@ -23,7 +23,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
 
-#include <type_traits>
 #include <vector>
 
 namespace octavo_cpu {
@@ -152,6 +151,23 @@ __attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_chunks(con
   }
 }
 
+// Row n of W in bfloat16 into dst: the whole-chunk loops where a w4 or w8 row's groups are whole 32-column chunks,
+// the general dequantize_row_bf16 otherwise (fp8, other group sizes). The same values either way.
+template <typename W>
+inline void dequantize_block_row(const W& w, int64_t n, c10::BFloat16* dst, float* scratch) {
+  dequantize_row_bf16(w, n, dst, scratch);
+}
+
+inline void dequantize_block_row(const Int4Weight& w, int64_t n, c10::BFloat16* dst, float* scratch) {
+  if (w.group_size % 32 != 0) return dequantize_row_bf16(w, n, dst, scratch);
+  dequantize_row_bf16_lookup(w, n, dst);
+}
+
+inline void dequantize_block_row(const Int8Weight& w, int64_t n, c10::BFloat16* dst, float* scratch) {
+  if (w.group_size % 32 != 0) return dequantize_row_bf16(w, n, dst, scratch);
+  dequantize_row_bf16_chunks(w, n, dst);
+}
+
 // words [pairs][32] = the block's 32 bfloat16 rows (ld `lda`, K padded with zeros) in the packed layout: word (p, c)
 // holds row c's values 2p (low half) and 2p + 1 (high half), which on a little-endian CPU is row c's word p.
 inline void transpose_block(const c10::BFloat16* rows, int64_t lda, int64_t pairs, uint32_t* words) {
@@ -191,19 +207,7 @@ void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int6
       for (int64_t i = 0; i < columns; ++i) {
         const uint8_t* next = w.row(n0 + kBf16BlockColumns + i);
         prefetch_span(next, next + w.row_bytes(), prefetch_end);
-        if constexpr (std::is_same_v<W, Int4Weight>) {
-          if (w.group_size % 32 == 0) {
-            dequantize_row_bf16_lookup(w, n0 + i, rows.data() + i * lda);
-            continue;
-          }
-        }
-        if constexpr (std::is_same_v<W, Int8Weight>) {
-          if (w.group_size % 32 == 0) {
-            dequantize_row_bf16_chunks(w, n0 + i, rows.data() + i * lda);
-            continue;
-          }
-        }
-        dequantize_row_bf16(w, n0 + i, rows.data() + i * lda, scratch.data());
+        dequantize_block_row(w, n0 + i, rows.data() + i * lda, scratch.data());
       }
       transpose_block(rows.data(), lda, pairs, words.data());
       for (int64_t first = 0; first < pairs; first += chunk) {
