@@ -1,17 +1,20 @@
-"""End to end: a bfloat16 model with `--quant w8` on the default engine (cpu backend, compiled executor).
+"""End to end: a bfloat16 model with `--quant w8` / `--quant w4` on the default engine (cpu backend, compiled
+executor).
 
 A tiny Llama in bfloat16 with int8 weights (one scale per row), run twice on the compiled executor: as users get
 it (prompts of more than 8 tokens take the quantized GEMM, which multiplies the int8 weights as they are against
 x's rows as 16-bit integers on CPUs with AMX-INT8) and with OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 (weights
 dequantized to bfloat16 tiles). Both hold the same weights and differ only in how the GEMM rounds x:
-tests/codegen/cpu/engine_pairs.py states what must agree.
+tests/codegen/cpu/engine_pairs.py states what must agree. The decode steps (up to 4 rows) likewise: as users get
+them (the integer GEMVs on AVX512_VNNI CPUs, for int8 and for 4-bit weights in groups of 32) against
+OCTAVO_CPU_W8_GEMV=float / OCTAVO_CPU_W4_GEMV=float.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from octavo.codegen.cpu_backend.isa import cpu_target
+from octavo.codegen.cpu_backend.isa import _linux_cpu_flags, cpu_target
 from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 from tests.codegen.cpu.engine_pairs import (
@@ -24,6 +27,12 @@ from tests.codegen.cpu.engine_pairs import (
 
 PROMPT_LENGTHS = [12, 23, 40]  # every prompt above the GEMV's 8 rows
 MAX_TOKENS = 8
+DECODE_PROMPT_LENGTHS = [5, 9, 17]
+DECODE_TOKENS = 12  # up to 3 sequences a decode step: the GEMV's rows
+
+
+def integer_gemv_runs() -> bool:
+    return cpu_target().level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +56,21 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
     target = cpu_target()
     integer_gemm = target.level == "avx512" and target.amx and target.avx512_bf16 and target.amx_int8
     assert (largest_difference > 0) == integer_gemm
+
+    # Decode rows: the integer GEMV against the float32 one, on the same two engines.
+    prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=6)
+    largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_W8_GEMV", "float", models,
+                                                  prompts, DECODE_TOKENS, monkeypatch)
+    assert (largest_difference > 0) == integer_gemv_runs()
+
+
+def test_default_engine_decodes_4_bit_weights_as_the_float_gemv_does(model_dir, tmp_path, cpu_kernels, one_thread,
+                                                                     compiled_cache, monkeypatch):
+    artifact = compile_model(model_dir, tmp_path / "artifact", CompileConfig(dtype="bfloat16", quant="w4"))
+    monkeypatch.delenv("OCTAVO_CPU_W4_GEMV", raising=False)
+    default, floating = make_engine(artifact), make_engine(artifact)
+    assert default.executor_kind == "compiled" and default.backend == "cpu"
+    prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=7)
+    largest_difference = largest_logit_difference(default, floating, "OCTAVO_CPU_W4_GEMV", "float",
+                                                  reference_models(model_dir), prompts, DECODE_TOKENS, monkeypatch)
+    assert (largest_difference > 0) == integer_gemv_runs()
