@@ -168,7 +168,9 @@ def bf16_gemm_choices(cpu_kernels) -> list[str]:
 
 # (rows, N, K, w4 group size): rows of x from one partial tile to three blocks of 32; N no multiple of a block of
 # 32 weight rows; K no multiple of a tile's 32 and split into parts (1536); w4 groups that start on odd columns.
-GEMM_SHAPES = [(9, 300, 200, 64), (33, 37, 100, 9), (64, 96, 1536, 32), (70, 64, 576, 64)]
+# The AMX GEMM's two orientations (few rows of x against many weights: the weights as the A operand) each take a
+# partial tile of x, a partial block of weights and K in parts: (9, ...) and (40, ...) the one, the rest the other.
+GEMM_SHAPES = [(9, 300, 200, 64), (40, 300, 1536, 32), (33, 37, 100, 9), (64, 96, 1536, 32), (70, 64, 576, 64)]
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "group_size"), GEMM_SHAPES, ids=lambda value: str(value))
@@ -191,6 +193,33 @@ def test_bf16_gemm_within_its_rounding(rows, n, k, group_size, cpu_kernels, monk
         qweight, scales = fp8_weight(n, k, generator)
         output = torch.ops.octavo_cpu.linear_fp8(x, qweight, scales, bias, True)
         assert_within_rounding(output, x, dequantize_fp8(qweight, scales), bias, bf16_gemm=True)
+
+
+def test_bf16_gemm_rows_of_x_do_not_depend_on_the_other_rows(cpu_kernels):
+    """A row's output from the AMX GEMM has the same bits in a call of 9, 32 or 40 rows as in one of 512: the few rows
+    take the weights as the A operand, the many the packed weights as the B operand, and both sum the same bfloat16
+    products in K's order. Elsewhere (oneDNN, whose blocking may change with the rows) within the rounding bound."""
+    generator = torch.Generator().manual_seed(9)
+    n, k = 300, 576
+    x = torch.randn(512, k, generator=generator)
+    qweight, scales = w8_weight(n, k, 32, torch.float16, generator)
+    packed, w4_scales, offsets = w4_weight(n, k, 32, torch.bfloat16, generator)
+    fp8, fp8_scales = fp8_weight(n, k, generator)
+    ops = torch.ops.octavo_cpu
+    calls = {"w8": (lambda rows: ops.linear_w8(rows, qweight, scales, None, 32, True),
+                    dequantize_w8(qweight, scales, 32)),
+             "w4": (lambda rows: ops.linear_w4(rows, packed, w4_scales, offsets, None, 32, True),
+                    dequantize_w4(packed, w4_scales, offsets, 32)),
+             "fp8": (lambda rows: ops.linear_fp8(rows, fp8, fp8_scales, None, True), dequantize_fp8(fp8, fp8_scales))}
+    amx = len(bf16_gemm_choices(cpu_kernels)) == 2
+    for name, (call, weight) in calls.items():
+        whole = call(x)
+        for first, count in ((0, 9), (100, 40), (480, 32)):
+            part = call(x[first:first + count])
+            if amx:
+                assert torch.equal(part, whole[first:first + count]), (name, first, count)
+            else:
+                assert_within_rounding(part, x[first:first + count], weight, None, bf16_gemm=True)
 
 
 def test_amx_gemm_keeps_float32_sums_where_the_cpu_has_amx(cpu_kernels, monkeypatch):

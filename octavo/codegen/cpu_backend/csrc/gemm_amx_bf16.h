@@ -68,8 +68,10 @@ struct alignas(64) AmxConfig {
 __attribute__((target("amx-tile"))) inline void amx_configure(const AmxConfig& config) { _tile_loadconfig(&config); }
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 
-// sums [32 rows of x][32 columns] (+)= the 32 rows of x at `a` (ld `lda` elements) times `pairs` pairs of rows of
-// the block at `words`: the sums start from zero when `accumulate` is false, from `sums` otherwise.
+// sums [32 rows of a][32 columns] (+)= the 32 rows at `a` (ld `lda` elements) times `pairs` pairs of rows of the
+// block at `words`: the sums start from zero when `accumulate` is false, from `sums` otherwise. The rows of `a` are
+// loaded with the streaming hint unless `kKeepRows` (rows that other calls read again right after).
+template <bool kKeepRows = false>
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(const c10::BFloat16* a, int64_t lda,
                                                                    const uint32_t* words, int64_t pairs,
                                                                    float* sums, bool accumulate) {
@@ -88,8 +90,13 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(const c10::BF
   }
   for (int64_t p = 0; p < pairs; p += 16) {
     const uint32_t* b = words + p * kBf16BlockColumns;
-    _tile_stream_loadd(4, a + 2 * p, a_stride);
-    _tile_stream_loadd(5, a_high + 2 * p, a_stride);
+    if constexpr (kKeepRows) {
+      _tile_loadd(4, a + 2 * p, a_stride);
+      _tile_loadd(5, a_high + 2 * p, a_stride);
+    } else {
+      _tile_stream_loadd(4, a + 2 * p, a_stride);
+      _tile_stream_loadd(5, a_high + 2 * p, a_stride);
+    }
     _tile_loadd(6, b, b_stride);
     _tile_loadd(7, b + 16, b_stride);
     _tile_dpbf16ps(0, 4, 6);
