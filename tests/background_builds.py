@@ -24,11 +24,13 @@ from pathlib import Path
 
 @dataclass
 class BackgroundBuild:
-    """One subprocess (`argv`) writing into `directory`; its output is kept in `directory`/stdout.log, stderr.log."""
+    """One subprocess (`argv`, with `environment` added to the session's) writing into `directory`; its output is
+    kept in `directory`/stdout.log, stderr.log."""
 
     name: str
     argv: list[str]
     directory: Path
+    environment: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     _start: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -42,7 +44,7 @@ class BackgroundBuild:
             if self._process is None and not self._stopped:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 # One torch thread: the tests running beside it keep the other core.
-                environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+                environment = {**os.environ, "OMP_NUM_THREADS": "1", **self.environment}
                 start = time.perf_counter()
                 with open(self.directory / "stdout.log", "w") as stdout, \
                         open(self.directory / "stderr.log", "w") as stderr:

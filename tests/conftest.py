@@ -180,7 +180,8 @@ def _background_builds(root: Path) -> list[BackgroundBuild]:
     """The bundled model's artifacts the session builds beside its tests, in the order tests need them, each
     named by the session fixture that returns it (see tests/background_builds.py)."""
     octavo = [sys.executable, "-m", "octavo.cli"]
-    return [BackgroundBuild("smollm2_fp32_compile", [*octavo, "compile", "smollm2-135m", "-o",
+    return [*_lower_level_kernel_builds(root),
+            BackgroundBuild("smollm2_fp32_compile", [*octavo, "compile", "smollm2-135m", "-o",
                                                      str(root / "smollm2-fp32" / "artifact"), "--dtype", "float32",
                                                      "--dump-dir", str(root / "smollm2-fp32" / "dumps")],
                             root / "smollm2-fp32"),
@@ -190,6 +191,22 @@ def _background_builds(root: Path) -> list[BackgroundBuild]:
             BackgroundBuild("smollm2_bf16_artifact", [*octavo, "compile", "smollm2-135m", "-o",
                                                       str(root / "smollm2-bf16" / "artifact"), "--dtype", "bfloat16"],
                             root / "smollm2-bf16")]
+
+
+def _lower_level_kernel_builds(root: Path) -> list[BackgroundBuild]:
+    """On an AVX-512 machine, the AVX2 build of the CPU kernels (about a minute of compiling) that
+    tests/codegen/cpu/test_cpu_lower_isa_levels.py runs: built on idle CPU time into the same cache."""
+    from octavo.codegen.cpu_backend.isa import cpu_target, host_level
+
+    if host_level() != "avx512" or cpu_target().level != "avx512":
+        return []
+    load = "from octavo.codegen.cpu_backend.build import load_cpu_kernels; load_cpu_kernels()"
+    return [BackgroundBuild("avx2_cpu_kernels", [sys.executable, "-c", load], root / "avx2-cpu-kernels",
+                            AVX2_ENVIRONMENT)]
+
+
+# The AVX2 level on an AVX-512 machine: the kernels built for it, ATen's GEMMs and oneDNN capped to it.
+AVX2_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 _BUILDS = pytest.StashKey[tuple[Path, BuildQueue]]()
@@ -231,6 +248,14 @@ def smollm2_fp32_compile(request) -> CompileRun:
 @pytest.fixture(scope="session")
 def smollm2_fp32_artifact(smollm2_fp32_compile) -> Path:
     return smollm2_fp32_compile.artifact
+
+
+@pytest.fixture(scope="session")
+def avx2_cpu_kernels(request) -> None:
+    """The AVX2 build of the CPU kernels in the session's kernel cache (on an AVX-512 machine; elsewhere nothing)."""
+    _, queue = request.config.stash[_BUILDS]
+    if "avx2_cpu_kernels" in queue.builds:
+        background_build(request, "avx2_cpu_kernels")
 
 
 @pytest.fixture(scope="session")

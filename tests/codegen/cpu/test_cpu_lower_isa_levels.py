@@ -6,7 +6,8 @@ compile. So on an AVX-512 machine the kernel tests run a second time in a subpro
 ATEN_CPU_CAPABILITY=avx2 (which builds and loads the AVX2 library, as on such a CPU) and
 ONEDNN_MAX_CPU_ISA=AVX2 (ATen's GEMMs and oneDNN at the same level, as the references there compute).
 On an AVX2 machine the suite's own run is the AVX2 run. The library is cached like the host's
-(OCTAVO_CPU_KERNELS_DIR), so only a cold cache pays for the build.
+(OCTAVO_CPU_KERNELS_DIR); on a cold cache the session builds it beside the tests that run first, on CPU
+time they leave idle (tests/background_builds.py), and this test waits for that build.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from octavo.codegen.cpu_backend.isa import cpu_target, host_level
+from tests.conftest import AVX2_ENVIRONMENT
 
 # The first proves the subprocess loaded a library built for AVX2 (its build_info names the level).
 KERNEL_TESTS = ("test_cpu_build.py::test_the_loaded_library_was_built_for_this_target",
@@ -27,13 +29,13 @@ KERNEL_TESTS = ("test_cpu_build.py::test_the_loaded_library_was_built_for_this_t
 LEVEL_INDEPENDENT = "not fake_kernels"
 
 
-def test_the_avx2_kernels_pass_their_tests_on_this_machine():
+def test_the_avx2_kernels_pass_their_tests_on_this_machine(avx2_cpu_kernels):
     if host_level() != "avx512" or cpu_target().level != "avx512":
         # An AVX2 machine (or a run already capped to AVX2) tests the AVX2 build in this very run.
         assert cpu_target().level in ("avx2", "default")
         return
     here = Path(__file__).parent
-    environment = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    environment = {**os.environ, **AVX2_ENVIRONMENT}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", LEVEL_INDEPENDENT,
                              *(str(here / name) for name in KERNEL_TESTS)],
                             capture_output=True, text=True, timeout=1200, env=environment,
