@@ -230,90 +230,65 @@ inline void dequantize_block(const W& w, int64_t n0, int64_t columns, int64_t la
   }
 }
 
-// gemm_amx_dequantizing with the block's dequantized rows as the A operand as they lie (row-major, 32 rows of K) and
-// x, packed once per call, as the B operand: the tiles give out's block transposed (32 weight rows x 32 rows of x),
-// transposed back as it is stored. No weight is transposed; x's rows and the sums are instead.
+// out [M, N] (float32) = x [M, lda] (bfloat16, K padded with zeros to lda = 2 * packed_pairs(K)) @ W.T (+ bias).
+// The block's rows meet x in one of two orientations, the same sums bit for bit (each sums the same bfloat16
+// products in K's order); they differ in what is transposed:
+// - weights as rows: the dequantized rows are the A operand as they lie (row-major, 32 rows of K) and x, packed once
+//   per call, the B operand; the tiles give out's block transposed (32 weight rows x 32 rows of x), transposed back
+//   as it is stored: x and the sums are transposed (M x K plus M x N values per call);
+// - weights packed: the rows are transposed into the packed layout of bf16_packing.h (the B operand) and every 32
+//   rows of x run through it as gemm_amx_bf16 does (the block's slice in L1, x's tiles streamed past it): the
+//   weights are transposed (N x K).
+// Weights as rows is taken when its transposes are less than half the other's. SmolLM2's w4 layers in groups of 32
+// (AMX Xeon, two threads), weights as rows against packed: 0.79x the time at 16 rows of x, 0.85-0.94x at 64,
+// 0.94-0.97x at 128; at 256 and 512 rows no faster (the sums' transposes outweigh the weights').
 template <typename W, typename T>
-void gemm_weights_as_rows(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
+void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
   const int64_t N = w.N, K = w.K, pairs = packed_pairs(K);
+  const bool weights_as_rows = 2 * M * (N + K) <= N * K;
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
-  const TileVector<uint32_t> x_words = pack_rows_of_x(x, lda, M, pairs);
+  const TileVector<uint32_t> x_words = weights_as_rows ? pack_rows_of_x(x, lda, M, pairs) : TileVector<uint32_t>();
+  const TileVector<c10::BFloat16> last_tile = weights_as_rows ? TileVector<c10::BFloat16>()
+                                                              : amx_last_tile(x, lda, M);
   const int64_t blocks = (N + kBf16BlockColumns - 1) / kBf16BlockColumns;
   const int64_t chunk = amx_chunk_pairs(pairs);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const AmxConfig config;
     amx_configure(config);
     TileVector<c10::BFloat16> rows(kBf16BlockColumns * lda, c10::BFloat16(0.f));  // K's padding stays zero
+    TileVector<uint32_t> words(weights_as_rows ? 0 : pairs * kBf16BlockColumns);
     std::vector<float> scratch(K);
     TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
       // A last block's rows past N keep an earlier block's values: their sums are never stored.
       dequantize_block(w, n0, columns, std::min(end * kBf16BlockColumns, N), rows.data(), lda, scratch.data());
+      if (!weights_as_rows) transpose_block(rows.data(), lda, pairs, words.data());
       for (int64_t first = 0; first < pairs; first += chunk) {
         const int64_t count = std::min(chunk, pairs - first);
         for (int64_t t = 0; t < tiles; ++t) {
-          amx_block<true>(rows.data() + 2 * first, lda, x_words.data() + (t * pairs + first) * kBf16BlockColumns,
-                          count, sums.data() + t * kAmxRows * kBf16BlockColumns, first > 0);
+          float* tile_sums = sums.data() + t * kAmxRows * kBf16BlockColumns;
+          if (weights_as_rows) {
+            amx_block<true>(rows.data() + 2 * first, lda, x_words.data() + (t * pairs + first) * kBf16BlockColumns,
+                            count, tile_sums, first > 0);
+          } else {
+            const c10::BFloat16* a = t * kAmxRows + kAmxRows > M ? last_tile.data() : x + t * kAmxRows * lda;
+            amx_block(a + 2 * first, lda, words.data() + first * kBf16BlockColumns, count, tile_sums, first > 0);
+          }
         }
       }
       for (int64_t t = 0; t < tiles; ++t) {
-        store_transposed_sums(sums.data() + t * kAmxRows * kBf16BlockColumns, std::min(kAmxRows, M - t * kAmxRows),
-                              columns, bias, n0, out + t * kAmxRows * N, N);
+        const float* tile_sums = sums.data() + t * kAmxRows * kBf16BlockColumns;
+        const int64_t tile_rows = std::min(kAmxRows, M - t * kAmxRows);
+        if (weights_as_rows) {
+          store_transposed_sums(tile_sums, tile_rows, columns, bias, n0, out + t * kAmxRows * N, N);
+        } else {
+          store_sums(tile_sums, tile_rows, columns, bias, n0, out + t * kAmxRows * N, N);
+        }
       }
     }
     amx_release();
   });
-}
-
-// gemm_amx_dequantizing with the block's dequantized rows transposed into the packed layout of bf16_packing.h (the B
-// operand) and every 32 rows of x run through it exactly as gemm_amx_bf16 does with a bfloat16 model's packed weights
-// (the block's slice in L1, x's tiles streamed past it).
-template <typename W, typename T>
-void gemm_weights_packed(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
-  const int64_t N = w.N, K = w.K, pairs = packed_pairs(K);
-  const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
-  const TileVector<c10::BFloat16> last_tile = amx_last_tile(x, lda, M);
-  const int64_t blocks = (N + kBf16BlockColumns - 1) / kBf16BlockColumns;
-  const int64_t chunk = amx_chunk_pairs(pairs);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const AmxConfig config;
-    amx_configure(config);
-    TileVector<c10::BFloat16> rows(kBf16BlockColumns * lda, c10::BFloat16(0.f));  // K's padding stays zero
-    TileVector<uint32_t> words(pairs * kBf16BlockColumns);
-    std::vector<float> scratch(K);
-    TileVector<float> sums(tiles * kAmxRows * kBf16BlockColumns);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBf16BlockColumns, columns = std::min(kBf16BlockColumns, N - n0);
-      dequantize_block(w, n0, columns, std::min(end * kBf16BlockColumns, N), rows.data(), lda, scratch.data());
-      transpose_block(rows.data(), lda, pairs, words.data());
-      for (int64_t first = 0; first < pairs; first += chunk) {
-        const int64_t count = std::min(chunk, pairs - first);
-        for (int64_t t = 0; t < tiles; ++t) {
-          const c10::BFloat16* a = t * kAmxRows + kAmxRows > M ? last_tile.data() : x + t * kAmxRows * lda;
-          amx_block(a + 2 * first, lda, words.data() + first * kBf16BlockColumns, count,
-                    sums.data() + t * kAmxRows * kBf16BlockColumns, first > 0);
-        }
-      }
-      for (int64_t t = 0; t < tiles; ++t) {
-        store_sums(sums.data() + t * kAmxRows * kBf16BlockColumns, std::min(kAmxRows, M - t * kAmxRows), columns,
-                   bias, n0, out + t * kAmxRows * N, N);
-      }
-    }
-    amx_release();
-  });
-}
-
-// out [M, N] (float32) = x [M, lda] (bfloat16, K padded with zeros to lda = 2 * packed_pairs(K)) @ W.T (+ bias).
-// Either orientation gives the same sums bit for bit (each is the same bfloat16 products summed in K's order); they
-// differ in what is transposed: the weights (N x K values per call) or x and the sums (M x K plus M x N). The
-// weights' side is taken when it is less than half the other's. SmolLM2's w4 layers in groups of 32 (AMX Xeon, two
-// threads), the weights as A against packed: 0.79x the time at 16 rows of x, 0.85-0.94x at 64, 0.94-0.97x at 128;
-// at 256 and 512 rows no faster (the sums' transposes outweigh the weights').
-template <typename W, typename T>
-void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
-  if (2 * M * (w.N + w.K) <= w.N * w.K) return gemm_weights_as_rows(w, x, lda, M, bias, out);
-  gemm_weights_packed(w, x, lda, M, bias, out);
 }
 
 }  // namespace octavo_cpu
