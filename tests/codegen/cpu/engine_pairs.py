@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from octavo.config import EngineConfig
+from octavo.compiler import compile_model
+from octavo.config import CompileConfig, EngineConfig
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
@@ -49,6 +50,17 @@ def make_engine(artifact) -> LLMEngine:
     # The suite runs eagerly unless a test asks (tests/conftest.py); users' engines default to the compiled executor.
     return LLMEngine(artifact, EngineConfig(executor="compiled", num_kv_blocks=32, max_num_seqs=4,
                                             max_num_batched_tokens=32))
+
+
+def default_engine_pair(model_dir: Path, artifact: Path, config: CompileConfig, variable: str,
+                        monkeypatch: pytest.MonkeyPatch) -> tuple[LLMEngine, LLMEngine]:
+    """`model_dir` compiled with `config` into `artifact`, and two engines on it as users get them (compiled executor,
+    cpu backend: asserted), `variable` unset for largest_logit_difference to set for the second's steps."""
+    compile_model(model_dir, artifact, config)
+    monkeypatch.delenv(variable, raising=False)
+    first, second = make_engine(artifact), make_engine(artifact)
+    assert first.executor_kind == "compiled" and first.backend == "cpu"
+    return first, second
 
 
 def sampled(engine: LLMEngine) -> dict[str, tuple[list[int], torch.Tensor]]:

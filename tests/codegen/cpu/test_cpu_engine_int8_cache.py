@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from octavo.codegen.cpu_backend.isa import cpu_target
-from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 from tests.codegen.cpu.engine_pairs import (
+    default_engine_pair,
     largest_logit_difference,
-    make_engine,
     random_prompts,
     reference_models,
     tiny_llama_d32,
@@ -35,10 +34,9 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 
 def test_default_engine_decodes_an_int8_cache_as_the_widening_path_does(model_dir, tmp_path, cpu_kernels, one_thread,
                                                                        compiled_cache, monkeypatch):
-    artifact = compile_model(model_dir, tmp_path / "artifact", CompileConfig(dtype="bfloat16", kv_cache_dtype="int8"))
-    monkeypatch.delenv("OCTAVO_CPU_INT8_CACHE_DOT", raising=False)
-    default, widening = make_engine(artifact), make_engine(artifact)
-    assert default.executor_kind == "compiled" and default.backend == "cpu"
+    default, widening = default_engine_pair(model_dir, tmp_path / "artifact",
+                                            CompileConfig(dtype="bfloat16", kv_cache_dtype="int8"),
+                                            "OCTAVO_CPU_INT8_CACHE_DOT", monkeypatch)
     assert default.kv_cache.tensors[next(iter(default.kv_cache.tensors))].dtype == torch.int8
 
     models = reference_models(model_dir)

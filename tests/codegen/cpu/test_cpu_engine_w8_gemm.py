@@ -15,11 +15,10 @@ from __future__ import annotations
 import pytest
 
 from octavo.codegen.cpu_backend.isa import _linux_cpu_flags, cpu_target
-from octavo.compiler import compile_model
 from octavo.config import CompileConfig
 from tests.codegen.cpu.engine_pairs import (
+    default_engine_pair,
     largest_logit_difference,
-    make_engine,
     random_prompts,
     reference_models,
     tiny_llama_d32,
@@ -42,10 +41,9 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 
 def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_dir, tmp_path, cpu_kernels, one_thread,
                                                                       compiled_cache, monkeypatch):
-    artifact = compile_model(model_dir, tmp_path / "artifact", CompileConfig(dtype="bfloat16", quant="w8"))
-    monkeypatch.delenv("OCTAVO_CPU_QUANTIZED_GEMM", raising=False)
-    default, dequantizing = make_engine(artifact), make_engine(artifact)
-    assert default.executor_kind == "compiled" and default.backend == "cpu"
+    default, dequantizing = default_engine_pair(model_dir, tmp_path / "artifact",
+                                                CompileConfig(dtype="bfloat16", quant="w8"),
+                                                "OCTAVO_CPU_QUANTIZED_GEMM", monkeypatch)
 
     # The size of one bfloat16 rounding is measured on the float model, which the int8 weights round per row.
     models = reference_models(model_dir)
@@ -66,10 +64,9 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
 
 def test_default_engine_decodes_4_bit_weights_as_the_float_gemv_does(model_dir, tmp_path, cpu_kernels, one_thread,
                                                                      compiled_cache, monkeypatch):
-    artifact = compile_model(model_dir, tmp_path / "artifact", CompileConfig(dtype="bfloat16", quant="w4"))
-    monkeypatch.delenv("OCTAVO_CPU_W4_GEMV", raising=False)
-    default, floating = make_engine(artifact), make_engine(artifact)
-    assert default.executor_kind == "compiled" and default.backend == "cpu"
+    default, floating = default_engine_pair(model_dir, tmp_path / "artifact",
+                                            CompileConfig(dtype="bfloat16", quant="w4"), "OCTAVO_CPU_W4_GEMV",
+                                            monkeypatch)
     prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=7)
     largest_difference = largest_logit_difference(default, floating, "OCTAVO_CPU_W4_GEMV", "float",
                                                   reference_models(model_dir), prompts, DECODE_TOKENS, monkeypatch)
