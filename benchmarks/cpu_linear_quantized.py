@@ -1,4 +1,4 @@
-"""The quantized linears above the GEMV's rows: AMX tiles against oneDNN's GEMM, and both against linear_bf16.
+"""The quantized linears above the GEMV's rows: the kernels' own GEMM against oneDNN's, and both against linear_bf16.
 
     PYTHONPATH=. python benchmarks/cpu_linear_quantized.py [--threads 2] [--rows 16,64,512] [--rounds 5]
 
@@ -6,7 +6,8 @@ SmolLM2-135M's linear shapes (q/k/v, o, gate/up, down; 30 layers each with its o
 them from memory as a decode step does), the weights quantized as `--quant w8` (int8, one scale per output
 channel) and `--quant w4` (groups of 32) store them. For every row count each linear is called through
 `octavo_cpu::linear_w8` / `linear_w4` on bfloat16 rows with bf16_gemm on (what a model computing in bfloat16
-runs), once with the CPU's own choice (AMX tiles where the CPU has AMX-BF16) and once with
+runs), once with the CPU's own choice ("own": AMX tiles where the CPU has AMX-BF16, vdpbf16ps on other
+AVX512_BF16 CPUs) and once with
 OCTAVO_CPU_QUANTIZED_GEMM=onednn, and `octavo_cpu::linear_bf16` on bfloat16 weights of the same shape, in turn,
 `--rounds` times over all layers. The table gives the median time per call and each kernel's whole-step sum
 over the layers.
@@ -29,7 +30,7 @@ from octavo.ir.quantized_layout import num_groups, pack_int4
 SHAPES = {"qkv": (576 + 2 * 192, 576), "o": (576, 576), "gate_up": (2 * 1536, 576), "down": (576, 1536)}
 LAYERS = 30
 W4_GROUP = 32
-KERNELS = ("w8 amx", "w8 onednn", "w4 amx", "w4 onednn", "bf16")
+KERNELS = ("w8 own", "w8 onednn", "w4 own", "w4 onednn", "bf16")
 
 
 def make_layer(rows: int, columns: int, generator: torch.Generator) -> dict:

@@ -16,7 +16,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("-o", "--output", help="artifact directory to write")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="compute dtype; auto (default): bfloat16 where this CPU computes it natively "
-                             "(AMX, AVX512_BF16), else float32; quantized: float32 unless AMX")
+                             "(AMX, AVX512_BF16), else float32 (quantized artifacts too)")
     parser.add_argument("--weight-dtype", choices=["bfloat16", "float16"], default=None,
                         help="store a float32 artifact's linear and embedding weights in 16 bits "
                              "(half the bytes per decode step; compute stays float32)")

@@ -37,10 +37,11 @@ comparisons). The choice is logged, and returned so the executor can report it.
 
 bfloat16 linears (``aten.linear`` over a bound bfloat16 weight) of a backend with a kernel for
 them (the cpu backend's octavo_cpu::linear_bf16: its own GEMV up to 8 rows, AMX tiles above where
-the CPU has them) are pointed at it by ``route_bf16_linears``; the weight stays the bound tensor (the
-kernel keeps one packed copy of it, made at its first call). By default only on CPUs with AMX tiles
-(``default_bf16_linear``); ``OCTAVO_CPU_BF16_LINEAR=native`` or ``aten`` decides on any CPU (``aten``:
-ATen's linear, which a compiled graph prepacks for oneDNN).
+the CPU has them, vdpbf16ps on AVX512_BF16 CPUs without) are pointed at it by ``route_bf16_linears``;
+the weight stays the bound tensor (the kernel keeps one packed copy of it, made at its first call). By
+default on CPUs that multiply bfloat16 natively under an AVX-512 ATen (``default_bf16_linear``);
+``OCTAVO_CPU_BF16_LINEAR=native`` or ``aten`` decides on any CPU (``aten``: ATen's linear, which a
+compiled graph prepacks for oneDNN).
 """
 
 from __future__ import annotations
@@ -158,11 +159,13 @@ def route_bf16_linears(graph_module: GraphModule, kernel: OpOverload) -> int:
     return routed
 
 
-def default_bf16_linear() -> str:
-    """"native" on CPUs with AMX tiles, where the kernel's GEMV and its AMX GEMM both measured faster than
-    oneDNN's (benchmarks/RESULTS.md); "aten" elsewhere: there rows above the GEMV's would run ATen's linear on
-    an unpacked weight instead of the compiled graph's prepacked oneDNN one, which nobody has measured."""
-    return "native" if torch.cpu._is_amx_tile_supported() else "aten"
+def default_bf16_linear(features: CpuFeatures | None = None) -> str:
+    """"native" where ATen's vector ISA is AVX-512 and the CPU multiplies bfloat16 natively (AMX tiles or
+    AVX512_BF16): there the kernel's GEMV and its GEMM (AMX tiles, else vdpbf16ps) both measured faster than
+    oneDNN on the compiled graph's prepacked weights (benchmarks/RESULTS.md; on a Zen 5 without AMX the GEMV
+    0.72x oneDNN's time at one row, the GEMM 0.70-0.93x at 16-256 rows). "aten" elsewhere: the kernel would widen
+    every weight to float32 there, and its rows above the GEMV's would run ATen on an unpacked weight."""
+    return "native" if (features or CpuFeatures.detect()).native_bf16 else "aten"
 
 
 def _bound_bfloat16(graph_module: GraphModule, node: object) -> bool:

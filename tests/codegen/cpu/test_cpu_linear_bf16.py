@@ -8,10 +8,10 @@ second factor covering the rounding's share of the summation error) plus 2^-120 
 products and sums to zero; none arise at these magnitudes). The exact value is computed in float64.
 
 Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, widening FMAs elsewhere, and where
-OCTAVO_CPU_BF16_GEMV=widening asks for it in the AVX-512 build); above, AMX tiles on CPUs with AMX, ATen's
-linear elsewhere and where OCTAVO_CPU_BF16_GEMM=aten asks for it, and the GEMV's dot kernel over tiles of rows
-where OCTAVO_CPU_BF16_GEMM=dot does (CPUs with AVX512_BF16). tests/codegen/cpu/test_cpu_lower_isa_levels.py
-runs this file again on the AVX2 build.
+OCTAVO_CPU_BF16_GEMV=widening asks for it in the AVX-512 build); above, AMX tiles on CPUs with AMX, the GEMV's
+dot kernel over tiles of rows on AVX512_BF16 CPUs without AMX (and where OCTAVO_CPU_BF16_GEMM=dot asks for it on
+AMX CPUs), ATen's linear elsewhere and where OCTAVO_CPU_BF16_GEMM=aten asks for it.
+tests/codegen/cpu/test_cpu_lower_isa_levels.py runs this file again on the AVX2 build.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def _linear_graph() -> torch.fx.GraphModule:
 
 def test_cpu_backend_lowers_bound_bf16_linears_to_the_native_kernel(cpu_kernels, monkeypatch):
     """The linears over a bound bfloat16 weight (and bias) call linear_bf16; a float32 weight, or one the graph
-    receives, stays ATen's (by default only where the CPU has AMX tiles). OCTAVO_CPU_BF16_LINEAR=aten keeps them
-    all; the torch backend has no such kernel."""
+    receives, stays ATen's (by default only where an AVX-512 ATen runs on a CPU with AMX tiles or AVX512_BF16).
+    OCTAVO_CPU_BF16_LINEAR=aten keeps them all; the torch backend has no such kernel."""
     from octavo.codegen.lowering import lower_graph
 
     def linear_targets(backend: str) -> list:
@@ -154,7 +154,9 @@ def test_cpu_backend_lowers_bound_bf16_linears_to_the_native_kernel(cpu_kernels,
 
     native, aten = torch.ops.octavo_cpu.linear_bf16.default, torch.ops.aten.linear.default
     default = linear_targets("cpu")
-    assert default == ([native, native, aten, aten] if torch.cpu._is_amx_tile_supported() else [aten] * 4)
+    native_bf16 = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert default == ([native, native, aten, aten] if native_bf16 else [aten] * 4)
     monkeypatch.setenv("OCTAVO_CPU_BF16_LINEAR", "native")  # any CPU: the kernel has a path for each
     assert linear_targets("cpu") == [native, native, aten, aten]
     assert linear_targets("torch") == [aten] * 4

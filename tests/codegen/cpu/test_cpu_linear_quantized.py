@@ -161,9 +161,18 @@ def test_fp8_widening_is_exact_for_every_bit_pattern(cpu_kernels):
     assert torch.ops.octavo_cpu.linear_fp8(torch.ones(1, 40), nan, torch.ones(1), None).isnan().all()
 
 
+def native_gemm_runs(cpu_kernels) -> bool:
+    """Whether the rows above the GEMV's take the kernels' own GEMMs by default (AMX tiles or vdpbf16ps): the
+    AVX-512 build on a CPU with AVX512_BF16."""
+    return cpu_kernels.target.level == "avx512" and cpu_kernels.target.avx512_bf16
+
+
 def bf16_gemm_choices(cpu_kernels) -> list[str]:
-    """OCTAVO_CPU_QUANTIZED_GEMM values whose kernels differ here: the CPU's choice, and oneDNN where that is AMX."""
-    return ["", "onednn"] if cpu_kernels.target.level == "avx512" and cpu_kernels.target.amx else [""]
+    """OCTAVO_CPU_QUANTIZED_GEMM values whose kernels differ here: the CPU's choice, oneDNN where that is not
+    oneDNN, and the vdpbf16ps GEMM where the choice is AMX."""
+    if not native_gemm_runs(cpu_kernels):
+        return [""]
+    return ["", "onednn", "dot"] if cpu_kernels.target.amx else ["", "onednn"]
 
 
 # (rows, N, K, w4 group size): rows of x from one partial tile to three blocks of 32; N no multiple of a block of
@@ -176,7 +185,8 @@ GEMM_SHAPES = [(9, 300, 200, 64), (40, 300, 1536, 32), (33, 37, 100, 9), (64, 96
 @pytest.mark.parametrize(("rows", "n", "k", "group_size"), GEMM_SHAPES, ids=lambda value: str(value))
 def test_bf16_gemm_within_its_rounding(rows, n, k, group_size, cpu_kernels, monkeypatch):
     """bf16_gemm rounds x and the dequantized weights to bfloat16 above 8 rows (bias in float32), on AMX tiles where
-    the CPU has them and oneDNN's GEMM where not or where OCTAVO_CPU_QUANTIZED_GEMM=onednn asks for it."""
+    the CPU has them, vdpbf16ps on other AVX512_BF16 CPUs (and where OCTAVO_CPU_QUANTIZED_GEMM=dot asks for it),
+    oneDNN's GEMM elsewhere and where OCTAVO_CPU_QUANTIZED_GEMM=onednn asks for it."""
     for choice in bf16_gemm_choices(cpu_kernels):
         monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", choice)
         generator = torch.Generator().manual_seed(rows)
@@ -198,7 +208,8 @@ def test_bf16_gemm_within_its_rounding(rows, n, k, group_size, cpu_kernels, monk
 def test_bf16_gemm_rows_of_x_do_not_depend_on_the_other_rows(cpu_kernels):
     """A row's output from the AMX GEMM has the same bits in a call of 9, 32 or 40 rows as in one of 512: the few rows
     take the weights as the A operand, the many the packed weights as the B operand, and both sum the same bfloat16
-    products in K's order. Elsewhere (oneDNN, whose blocking may change with the rows) within the rounding bound."""
+    products in K's order. So does the vdpbf16ps GEMM's (every row sums its pairs in K's order, whatever rows run
+    beside it). Elsewhere (oneDNN, whose blocking may change with the rows) within the rounding bound."""
     generator = torch.Generator().manual_seed(9)
     n, k = 300, 576
     x = torch.randn(512, k, generator=generator)
@@ -211,20 +222,21 @@ def test_bf16_gemm_rows_of_x_do_not_depend_on_the_other_rows(cpu_kernels):
              "w4": (lambda rows: ops.linear_w4(rows, packed, w4_scales, offsets, None, 32, True),
                     dequantize_w4(packed, w4_scales, offsets, 32)),
              "fp8": (lambda rows: ops.linear_fp8(rows, fp8, fp8_scales, None, True), dequantize_fp8(fp8, fp8_scales))}
-    amx = len(bf16_gemm_choices(cpu_kernels)) == 2
+    native = native_gemm_runs(cpu_kernels)
     for name, (call, weight) in calls.items():
         whole = call(x)
         for first, count in ((0, 9), (100, 40), (480, 32)):
             part = call(x[first:first + count])
-            if amx:
+            if native:
                 assert torch.equal(part, whole[first:first + count]), (name, first, count)
             else:
                 assert_within_rounding(part, x[first:first + count], weight, None, bf16_gemm=True)
 
 
-def test_amx_gemm_keeps_float32_sums_where_the_cpu_has_amx(cpu_kernels, monkeypatch):
-    """On AMX CPUs (AVX-512 build) the tile GEMM runs by default: its float32 sums are not rounded to bfloat16, so
-    they differ from oneDNN's bfloat16 results; elsewhere the variable changes nothing. A bad value is refused."""
+def test_native_gemm_keeps_float32_sums_where_the_cpu_has_bf16(cpu_kernels, monkeypatch):
+    """On AVX512_BF16 CPUs (AVX-512 build) the kernels' own GEMM (AMX tiles or vdpbf16ps) runs by default: its float32
+    sums are not rounded to bfloat16, so they differ from oneDNN's bfloat16 results; elsewhere the variable changes
+    nothing. A bad value is refused."""
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(40, 128, generator=generator)
     qweight, scales = w8_weight(64, 128, 128, torch.float32, generator)
@@ -234,9 +246,9 @@ def test_amx_gemm_keeps_float32_sums_where_the_cpu_has_amx(cpu_kernels, monkeypa
         results[choice] = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 128, True)
     onednn_is_bfloat16 = torch.equal(results["onednn"], results["onednn"].bfloat16().float())
     assert onednn_is_bfloat16
-    amx = len(bf16_gemm_choices(cpu_kernels)) == 2
-    assert torch.equal(results[""], results["onednn"]) != amx
-    assert torch.equal(results[""], results[""].bfloat16().float()) != amx
+    native = native_gemm_runs(cpu_kernels)
+    assert torch.equal(results[""], results["onednn"]) != native
+    assert torch.equal(results[""], results[""].bfloat16().float()) != native
     monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "mkl")
     with pytest.raises(RuntimeError, match="OCTAVO_CPU_QUANTIZED_GEMM must be onednn"):
         torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 128, True)
@@ -322,7 +334,7 @@ INT8_SHAPES = [(9, 37, 100), (33, 300, 200), (64, 96, 1536), (70, 960, 576), (51
 def test_per_row_int8_gemm(rows, n, k, dtype, cpu_kernels, monkeypatch):
     """Weights with one scale per row above 8 rows: on AMX-INT8 CPUs x's rows rounded to 16-bit integers and the
     int8 weights multiplied as they are (a tighter bound than bfloat16's), elsewhere the bfloat16 GEMM's bound;
-    OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 asks for the dequantizing AMX GEMM instead."""
+    OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 asks for the dequantizing AMX GEMM instead (vdpbf16ps without AMX)."""
     monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "")
     generator = torch.Generator().manual_seed(rows + k)
     x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)

@@ -48,48 +48,65 @@ constexpr int gemv_vectors(int V, int M) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Blocks [begin, end) for M rows of x given as pairs (x_words[m * pairs + p] = x[m, 2p], x[m, 2p + 1]).
+// sums[m * 32 + c] = sum over p of the block's word (p, c) . x's pair p of row m, for M rows of x given as pairs
+// (x_words[m * pairs + p] = x[m, 2p], x[m, 2p + 1]) and one block's words ([pairs][32]): vdpbf16ps with x's pairs
+// broadcast. The words `kBf16PrefetchBytes` ahead are asked for while summing, up to `prefetch_end`.
+template <int M>
+__attribute__((target("avx512bf16"))) inline void dot_block_sums(const uint32_t* words, int64_t pairs,
+                                                                  const uint32_t* x_words, const char* prefetch_end,
+                                                                  float* sums) {
+  constexpr int V = kBf16BlockColumns / 16;
+  constexpr int VC = gemv_vectors(V, M);
+  for (int v0 = 0; v0 < V; v0 += VC) {
+    __m512 acc[M][VC];
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < VC; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t* row = words + p * kBf16BlockColumns + v0 * 16;
+      if (v0 == 0) {
+        const char* here = reinterpret_cast<const char*>(row);
+        prefetch_span(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4, prefetch_end);
+      }
+      __m512bh weights[VC];
+      for (int v = 0; v < VC; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * 16));
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x_words[m * pairs + p])));
+        for (int v = 0; v < VC; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, weights[v]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < VC; ++v) _mm512_storeu_ps(sums + m * kBf16BlockColumns + (v0 + v) * 16, acc[m][v]);
+  }
+}
+
+// out[m, first + c] = bf16(sums[m * 32 + c] + bias[first + c]) for c < columns: the bias added in float32, one
+// rounding to nearest even (vcvtneps2bf16, which makes a result below 2^-126 in magnitude zero).
+__attribute__((target("avx512bf16"))) inline void store_block_bf16(const float* sums, int64_t rows, int64_t columns,
+                                                                    const float* bias, int64_t first, uint16_t* out,
+                                                                    int64_t N) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t offset = 0; offset < columns; offset += 16) {
+      const int64_t count = std::min<int64_t>(columns - offset, 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      __m512 total = _mm512_loadu_ps(sums + m * kBf16BlockColumns + offset);
+      if (bias) total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(mask, bias + first + offset));
+      const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total));
+      _mm256_mask_storeu_epi16(out + m * N + first + offset, mask, rounded);
+    }
+  }
+}
+
+// Blocks [begin, end) of the GEMV for M rows of x given as pairs.
 template <int M>
 __attribute__((target("avx512bf16"))) void gemv_bf16_blocks_dot(const PackedBf16& w, const uint32_t* x_words,
                                                                  const float* bias, uint16_t* out, int64_t begin,
                                                                  int64_t end) {
-  constexpr int V = kBf16BlockColumns / 16;
-  constexpr int VC = gemv_vectors(V, M);
-  const int64_t pairs = w.pairs;
   const char* prefetch_end = reinterpret_cast<const char*>(w.block(end));
+  __at_align__ float sums[M * kBf16BlockColumns];
   for (int64_t b = begin; b < end; ++b) {
-    const uint32_t* words = w.block(b);
+    dot_block_sums<M>(w.block(b), w.pairs, x_words, prefetch_end, sums);
     const int64_t first = b * kBf16BlockColumns;
-    const int64_t columns = std::min<int64_t>(kBf16BlockColumns, w.N - first);
-    for (int v0 = 0; v0 < V; v0 += VC) {
-      __m512 acc[M][VC];
-      for (int m = 0; m < M; ++m)
-        for (int v = 0; v < VC; ++v) acc[m][v] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-        const uint32_t* row = words + p * kBf16BlockColumns + v0 * 16;
-        if (v0 == 0) {
-          const char* here = reinterpret_cast<const char*>(row);
-          prefetch_span(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4, prefetch_end);
-        }
-        __m512bh weights[VC];
-        for (int v = 0; v < VC; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * 16));
-        for (int m = 0; m < M; ++m) {
-          const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x_words[m * pairs + p])));
-          for (int v = 0; v < VC; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, weights[v]);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        for (int v = 0; v < VC; ++v) {
-          const int64_t offset = (v0 + v) * 16, count = std::clamp<int64_t>(columns - offset, 0, 16);
-          if (count == 0) continue;
-          const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-          __m512 total = acc[m][v];
-          if (bias) total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(mask, bias + first + offset));
-          const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total));
-          _mm256_mask_storeu_epi16(out + m * w.N + first + offset, mask, rounded);
-        }
-      }
-    }
+    store_block_bf16(sums, M, std::min<int64_t>(kBf16BlockColumns, w.N - first), bias, first, out, w.N);
   }
 }
 #endif
@@ -214,25 +231,35 @@ inline void gemv_bf16(int64_t rows, const PackedBf16& w, const uint32_t* x_words
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// dot_block_sums for 1 to kBf16GemvRows rows of x.
+inline void dot_block_sums_rows(int64_t rows, const uint32_t* words, int64_t pairs, const uint32_t* x_words,
+                                const char* prefetch_end, float* sums) {
+  switch (rows) {
+    case 1: return dot_block_sums<1>(words, pairs, x_words, prefetch_end, sums);
+    case 2: return dot_block_sums<2>(words, pairs, x_words, prefetch_end, sums);
+    case 3: return dot_block_sums<3>(words, pairs, x_words, prefetch_end, sums);
+    case 4: return dot_block_sums<4>(words, pairs, x_words, prefetch_end, sums);
+    case 5: return dot_block_sums<5>(words, pairs, x_words, prefetch_end, sums);
+    case 6: return dot_block_sums<6>(words, pairs, x_words, prefetch_end, sums);
+    case 7: return dot_block_sums<7>(words, pairs, x_words, prefetch_end, sums);
+    case 8: return dot_block_sums<8>(words, pairs, x_words, prefetch_end, sums);
+    default: TORCH_CHECK(false, "dot_block_sums takes 1 to ", kBf16GemvRows, " rows, got ", rows);
+  }
+}
+
 // out [M, N] = x @ W.T (+ bias) for any M on CPUs with AVX512_BF16 but no AMX: the GEMV's dot kernel over tiles of
 // kBf16GemvRows rows of x (x_words: x as pairs, [M, pairs]), each thread taking whole blocks (the block stays in
 // cache while every tile of x runs through it).
 inline void gemm_bf16_dot(const PackedBf16& w, const uint32_t* x_words, int64_t M, const float* bias, uint16_t* out) {
   at::parallel_for(0, w.blocks, 1, [&](int64_t begin, int64_t end) {
+    __at_align__ float sums[kBf16GemvRows * kBf16BlockColumns];
     for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kBf16BlockColumns, columns = std::min<int64_t>(kBf16BlockColumns, w.N - first);
+      const char* prefetch_end = reinterpret_cast<const char*>(w.block(b + 1));
       for (int64_t row = 0; row < M; row += kBf16GemvRows) {
-        const uint32_t* x = x_words + row * w.pairs;
-        uint16_t* o = out + row * w.N;
-        switch (std::min(kBf16GemvRows, M - row)) {
-          case 1: gemv_bf16_blocks_dot<1>(w, x, bias, o, b, b + 1); break;
-          case 2: gemv_bf16_blocks_dot<2>(w, x, bias, o, b, b + 1); break;
-          case 3: gemv_bf16_blocks_dot<3>(w, x, bias, o, b, b + 1); break;
-          case 4: gemv_bf16_blocks_dot<4>(w, x, bias, o, b, b + 1); break;
-          case 5: gemv_bf16_blocks_dot<5>(w, x, bias, o, b, b + 1); break;
-          case 6: gemv_bf16_blocks_dot<6>(w, x, bias, o, b, b + 1); break;
-          case 7: gemv_bf16_blocks_dot<7>(w, x, bias, o, b, b + 1); break;
-          default: gemv_bf16_blocks_dot<8>(w, x, bias, o, b, b + 1); break;
-        }
+        const int64_t rows = std::min(kBf16GemvRows, M - row);
+        dot_block_sums_rows(rows, w.block(b), w.pairs, x_words + row * w.pairs, prefetch_end, sums);
+        store_block_bf16(sums, rows, columns, bias, first, out + row * w.N, w.N);
       }
     }
   });

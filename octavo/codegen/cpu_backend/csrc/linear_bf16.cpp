@@ -8,7 +8,9 @@
 // per call, on one packed copy of the weight (bf16_packing.h, packed at the first call):
 // - up to kBf16GemvRows rows: the streaming GEMV of gemv_bf16.h (decode steps; memory-bound);
 // - more rows, on CPUs with AMX-BF16 (AVX-512 build): the AMX GEMM of gemm_amx_bf16.h;
-// - more rows on CPUs with AVX512_BF16 and no AMX: the GEMV's dot kernel over tiles of 8 rows of x;
+// - more rows on CPUs with AVX512_BF16 and no AMX: the GEMV's dot kernel over tiles of 8 rows of x (on a Zen 5,
+//   2 threads, SmolLM2's shapes: 0.70x the time of oneDNN on prepacked weights at 16 rows, 0.80x at 64, 0.93x at
+//   256);
 // - more rows otherwise: ATen's own linear on the weight as given (oneDNN).
 // OCTAVO_CPU_BF16_GEMM=aten sends the rows above the GEMV's to ATen on every CPU, =dot to the dot kernel on CPUs
 // with AVX512_BF16 (AMX ones included), for comparisons; it is read at every call above the GEMV's rows.
@@ -42,8 +44,8 @@ Gemm gemm_kernel() {
   TORCH_CHECK(choice.empty() || choice == "aten" || choice == "dot",
               "OCTAVO_CPU_BF16_GEMM must be aten or dot (or unset), got ", choice);
 #if defined(CPU_CAPABILITY_AVX512)
-  if (choice == "dot" && cpu_has_avx512_bf16()) return Gemm::kDot;
   if (choice.empty() && amx_bf16_usable()) return Gemm::kAmx;
+  if (choice != "aten" && cpu_has_avx512_bf16()) return Gemm::kDot;
 #endif
   return Gemm::kAten;
 }

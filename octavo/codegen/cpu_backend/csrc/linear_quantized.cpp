@@ -9,10 +9,11 @@
 // scale per row on CPUs with AMX-INT8 take gemm_amx_int8.h, which multiplies the int8 bytes as they are by x's rows
 // rounded to 16-bit integers (on SmolLM2's shapes, 2 threads: about linear_bf16's time at 64 rows, 1.15x at 512);
 // the other layouts the AMX GEMM of gemm_amx_dequantizing.h, which dequantizes 32 weight rows at a time into
-// packed bfloat16 tiles (0.45x oneDNN's time at 16 and 64 rows, 0.66x at 512). More rows otherwise: a tile of
-// output columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
-// OCTAVO_CPU_QUANTIZED_GEMM=onednn sends the AMX CPUs' rows to the BLAS GEMM too, =amx_bf16 every layout to the
-// dequantizing AMX GEMM, for comparisons and tests (read at every call above the GEMV's rows).
+// packed bfloat16 tiles (0.45x oneDNN's time at 16 and 64 rows, 0.66x at 512). On CPUs with AVX512_BF16 and no AMX,
+// gemm_dot_dequantizing.h dequantizes the same blocks and multiplies them with vdpbf16ps. More rows otherwise: a tile
+// of output columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
+// OCTAVO_CPU_QUANTIZED_GEMM=onednn sends these rows to the BLAS GEMM too, =amx_bf16 every layout to the
+// dequantizing AMX GEMM, =dot to the vdpbf16ps one, for comparisons and tests (read at every call above the GEMV's rows).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
 // - fp8 (every path), w4 but its integer GEMV, and the w8 GEMM but its AMX-INT8 one: each weight dequantized
@@ -32,12 +33,13 @@
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
 // bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized weights rounded to bfloat16
-// (relative error 2^-9 each), products summed in float32 (AMX tiles or oneDNN), the bias added in float32; oneDNN's
-// result is rounded to bfloat16 once more and widened, the AMX one stays float32 (per-row int8 weights on AMX-INT8
-// CPUs take the integer GEMM instead). Only the rows above kGemvRows are affected, and a bfloat16 / float16 x's
-// GEMV rows with per-row int8 weights or 4-bit weights in groups of a multiple of 32 on AVX512_VNNI CPUs (the
-// integer GEMVs); the GEMV is float32 otherwise.
+// (relative error 2^-9 each), products summed in float32 (AMX tiles, vdpbf16ps or oneDNN), the bias added in
+// float32; oneDNN's result is rounded to bfloat16 once more and widened, the AMX and vdpbf16ps ones stay float32
+// (per-row int8 weights on AMX-INT8 CPUs take the integer GEMM instead). Only the rows above kGemvRows are
+// affected, and a bfloat16 / float16 x's GEMV rows with per-row int8 weights or 4-bit weights in groups of a
+// multiple of 32 on AVX512_VNNI CPUs (the integer GEMVs); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
+#include "gemm_dot_dequantizing.h"
 #include "gemm_amx_int8.h"
 #include "gemv_dequantizing.h"
 #include "gemv_int4_vnni.h"
@@ -139,18 +141,21 @@ enum class QuantizedGemm {
   kOneDnn,   // dequantized tiles into oneDNN's GEMM
   kAmxBf16,  // gemm_amx_dequantizing.h
   kAmx,      // gemm_amx_int8.h for int8 weights with one scale per row where the CPU has AMX-INT8, else kAmxBf16
+  kDot,      // gemm_dot_dequantizing.h
 };
 
-// The CPU's choice (AMX where the build and the CPU have AMX-BF16 and AVX512_BF16, which rounds the dequantized
-// weights to bfloat16 in registers), or what OCTAVO_CPU_QUANTIZED_GEMM asks for: onednn, or amx_bf16 (the
-// dequantizing AMX GEMM for every layout), for comparisons and tests. Read at every call above the GEMV's rows.
+// The CPU's choice (AVX-512 build, CPUs with AVX512_BF16, which rounds the dequantized weights to bfloat16 in
+// registers: AMX where the CPU has AMX-BF16, else the vdpbf16ps GEMM of gemm_dot_dequantizing.h), or what
+// OCTAVO_CPU_QUANTIZED_GEMM asks for: onednn, amx_bf16 (the dequantizing AMX GEMM for every layout, where AMX runs)
+// or dot (the vdpbf16ps GEMM on AMX CPUs too), for comparisons and tests. Read at every call above the GEMV's rows.
 QuantizedGemm quantized_gemm_choice() {
   const char* env = std::getenv("OCTAVO_CPU_QUANTIZED_GEMM");
   const std::string choice = env == nullptr ? "" : env;
-  TORCH_CHECK(choice.empty() || choice == "onednn" || choice == "amx_bf16",
-              "OCTAVO_CPU_QUANTIZED_GEMM must be onednn or amx_bf16 (or unset), got ", choice);
+  TORCH_CHECK(choice.empty() || choice == "onednn" || choice == "amx_bf16" || choice == "dot",
+              "OCTAVO_CPU_QUANTIZED_GEMM must be onednn, amx_bf16 or dot (or unset), got ", choice);
 #if defined(CPU_CAPABILITY_AVX512)
-  if (choice == "onednn" || !amx_bf16_usable() || !cpu_has_avx512_bf16()) return QuantizedGemm::kOneDnn;
+  if (choice == "onednn" || !cpu_has_avx512_bf16()) return QuantizedGemm::kOneDnn;
+  if (choice == "dot" || !amx_bf16_usable()) return QuantizedGemm::kDot;
   return choice.empty() ? QuantizedGemm::kAmx : QuantizedGemm::kAmxBf16;
 #else
   return QuantizedGemm::kOneDnn;
@@ -158,12 +163,12 @@ QuantizedGemm quantized_gemm_choice() {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The AMX GEMMs straight from x's own dtype to out's: each sum rounded to x's dtype once as it is stored, so a
-// bfloat16 model's activations never pass through float32 tensors (at 512 rows those copies took as long as the
-// GEMM's dequantizing). The dequantizing GEMM reads x rounded to bfloat16 (a bfloat16 x as it is, its K padded only
-// where it is no whole number of tiles).
+// The AMX and vdpbf16ps GEMMs straight from x's own dtype to out's: each sum rounded to x's dtype once as it is
+// stored, so a bfloat16 model's activations never pass through float32 tensors (at 512 rows those copies took as
+// long as the GEMM's dequantizing). The dequantizing GEMMs read x rounded to bfloat16 (a bfloat16 x as it is, its K
+// padded only where it is no whole number of tiles).
 template <typename T, typename W>
-at::Tensor amx_linear_as(const W& w, const at::Tensor& x, const float* bias, QuantizedGemm choice) {
+at::Tensor gemm_linear_as(const W& w, const at::Tensor& x, const float* bias, QuantizedGemm choice) {
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, w.N}, x.options());
   if constexpr (std::is_same_v<W, Int8Weight>) {
@@ -174,22 +179,26 @@ at::Tensor amx_linear_as(const W& w, const at::Tensor& x, const float* bias, Qua
   }
   const int64_t lda = 2 * packed_pairs(w.K);
   const at::Tensor a = padded(x, lda, at::kBFloat16);
-  gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias, out.data_ptr<T>());
+  if (choice == QuantizedGemm::kDot) {
+    gemm_dot_dequantizing(w, static_cast<const uint32_t*>(a.const_data_ptr()), M, bias, out.data_ptr<T>());
+  } else {
+    gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias, out.data_ptr<T>());
+  }
   return out;
 }
 
 template <typename W>
-at::Tensor amx_linear(const W& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias,
+at::Tensor gemm_linear(const W& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias,
                       QuantizedGemm choice) {
   const at::Tensor x = rows.contiguous();
   const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      return amx_linear_as<c10::BFloat16>(w, x, bias_data, choice);
+      return gemm_linear_as<c10::BFloat16>(w, x, bias_data, choice);
     case at::kHalf:
-      return amx_linear_as<c10::Half>(w, x, bias_data, choice);
+      return gemm_linear_as<c10::Half>(w, x, bias_data, choice);
     default:
-      return amx_linear_as<float>(w, x, bias_data, choice);
+      return gemm_linear_as<float>(w, x, bias_data, choice);
   }
 }
 #endif
@@ -280,7 +289,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
 #if defined(CPU_CAPABILITY_AVX512)
   if (M > kGemvRows && N > 0 && bf16_gemm) {
     const QuantizedGemm choice = quantized_gemm_choice();
-    if (choice != QuantizedGemm::kOneDnn) return amx_linear(w, rows, b, choice).view(shape);
+    if (choice != QuantizedGemm::kOneDnn) return gemm_linear(w, rows, b, choice).view(shape);
   }
   if constexpr (!std::is_same_v<W, Fp8Weight>) {
     const bool reduced = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
