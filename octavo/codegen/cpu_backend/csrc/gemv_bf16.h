@@ -217,34 +217,18 @@ void gemv_bf16_rows(const PackedBf16& w, const uint32_t* x_words, const float* x
 // dpbf16 path runs (else nullptr); x_wide: x widened to float, zero-padded to 2 * pairs columns, otherwise.
 inline void gemv_bf16(int64_t rows, const PackedBf16& w, const uint32_t* x_words, const float* x_wide,
                       const float* bias, uint16_t* out) {
-  switch (rows) {
-    case 1: return gemv_bf16_rows<1>(w, x_words, x_wide, bias, out);
-    case 2: return gemv_bf16_rows<2>(w, x_words, x_wide, bias, out);
-    case 3: return gemv_bf16_rows<3>(w, x_words, x_wide, bias, out);
-    case 4: return gemv_bf16_rows<4>(w, x_words, x_wide, bias, out);
-    case 5: return gemv_bf16_rows<5>(w, x_words, x_wide, bias, out);
-    case 6: return gemv_bf16_rows<6>(w, x_words, x_wide, bias, out);
-    case 7: return gemv_bf16_rows<7>(w, x_words, x_wide, bias, out);
-    case 8: return gemv_bf16_rows<8>(w, x_words, x_wide, bias, out);
-    default: TORCH_CHECK(false, "linear_bf16: the GEMV takes 1 to ", kBf16GemvRows, " rows, got ", rows);
-  }
+  with_row_count(rows, "linear_bf16's GEMV", [&](auto m) {
+    gemv_bf16_rows<decltype(m)::value>(w, x_words, x_wide, bias, out);
+  });
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
 // dot_block_sums for 1 to kBf16GemvRows rows of x.
 inline void dot_block_sums_rows(int64_t rows, const uint32_t* words, int64_t pairs, const uint32_t* x_words,
                                 const char* prefetch_end, float* sums) {
-  switch (rows) {
-    case 1: return dot_block_sums<1>(words, pairs, x_words, prefetch_end, sums);
-    case 2: return dot_block_sums<2>(words, pairs, x_words, prefetch_end, sums);
-    case 3: return dot_block_sums<3>(words, pairs, x_words, prefetch_end, sums);
-    case 4: return dot_block_sums<4>(words, pairs, x_words, prefetch_end, sums);
-    case 5: return dot_block_sums<5>(words, pairs, x_words, prefetch_end, sums);
-    case 6: return dot_block_sums<6>(words, pairs, x_words, prefetch_end, sums);
-    case 7: return dot_block_sums<7>(words, pairs, x_words, prefetch_end, sums);
-    case 8: return dot_block_sums<8>(words, pairs, x_words, prefetch_end, sums);
-    default: TORCH_CHECK(false, "dot_block_sums takes 1 to ", kBf16GemvRows, " rows, got ", rows);
-  }
+  with_row_count(rows, "dot_block_sums", [&](auto m) {
+    dot_block_sums<decltype(m)::value>(words, pairs, x_words, prefetch_end, sums);
+  });
 }
 
 // out [M, N] = x @ W.T (+ bias) for any M on CPUs with AVX512_BF16 but no AMX: the GEMV's dot kernel over tiles of

@@ -15,8 +15,25 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace octavo_cpu {
+
+// Calls body(std::integral_constant<int, M>{}) with M = rows, 1 to 8: the kernels unroll over the rows of x.
+template <typename Body>
+void with_row_count(int64_t rows, const char* name, const Body& body) {
+  switch (rows) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 5: return body(std::integral_constant<int, 5>{});
+    case 6: return body(std::integral_constant<int, 6>{});
+    case 7: return body(std::integral_constant<int, 7>{});
+    case 8: return body(std::integral_constant<int, 8>{});
+    default: TORCH_CHECK(false, name, ": takes 1 to 8 rows of x, got ", rows);
+  }
+}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();

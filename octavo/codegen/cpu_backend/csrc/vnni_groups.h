@@ -1,6 +1,6 @@
-// What the integer GEMVs (gemv_int4_vnni.h, gemv_int8_vnni.h) share: the row count as a constant, and for grouped
-// weights a row's scales (or offsets) widened to float32 in a padded buffer and the group each int32 lane of a
-// 64-byte chunk of weights sums, so that one permute gives a chunk's lanes their groups' scales.
+// What the integer GEMVs (gemv_int4_vnni.h, gemv_int8_vnni.h) share for grouped weights: a row's scales (or
+// offsets) widened to float32 in a padded buffer and the group each int32 lane of a 64-byte chunk of weights sums,
+// so that one permute gives a chunk's lanes their groups' scales.
 //
 // Groups must be whole 32-column blocks (group_size a multiple of 32): a lane then never sums two groups.
 #pragma once
@@ -16,22 +16,6 @@
 #include <vector>
 
 namespace octavo_cpu {
-
-// Calls body(std::integral_constant<int, M>{}) with M = rows, 1 to 8: the kernels unroll over the rows of x.
-template <typename Body>
-void with_row_count(int64_t rows, const char* name, const Body& body) {
-  switch (rows) {
-    case 1: return body(std::integral_constant<int, 1>{});
-    case 2: return body(std::integral_constant<int, 2>{});
-    case 3: return body(std::integral_constant<int, 3>{});
-    case 4: return body(std::integral_constant<int, 4>{});
-    case 5: return body(std::integral_constant<int, 5>{});
-    case 6: return body(std::integral_constant<int, 6>{});
-    case 7: return body(std::integral_constant<int, 7>{});
-    case 8: return body(std::integral_constant<int, 8>{});
-    default: TORCH_CHECK(false, name, ": the VNNI GEMV takes 1 to 8 rows, got ", rows);
-  }
-}
 
 // Groups rounded up to whole vectors, and one vector more: a chunk's scales are loaded as a vector from its first
 // group, which may lie in the last vector.
