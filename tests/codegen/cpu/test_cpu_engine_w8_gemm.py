@@ -6,8 +6,8 @@ it (prompts of more than 8 tokens take the quantized GEMM, which multiplies the 
 x's rows as 16-bit integers on CPUs with AMX-INT8) and with OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 (weights
 dequantized to bfloat16 tiles). Both hold the same weights and differ only in how the GEMM rounds x:
 tests/codegen/cpu/engine_pairs.py states what must agree. The decode steps (up to 4 rows) likewise: as users get
-them (the integer GEMVs on AVX512_VNNI CPUs, for int8 and for 4-bit weights in groups of 32) against
-OCTAVO_CPU_W8_GEMV=float / OCTAVO_CPU_W4_GEMV=float.
+them (the integer GEMVs: for int8 weights on AMX-INT8 CPUs, for 4-bit weights in groups of 32 on AVX512_VNNI
+ones) against OCTAVO_CPU_W8_GEMV=float / OCTAVO_CPU_W4_GEMV=float.
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ DECODE_TOKENS = 12  # up to 3 sequences a decode step: the GEMV's rows
 
 
 def integer_gemv_runs() -> bool:
+    """Whether the w4 GEMV sums in integers here (AVX-512 build, AVX512_VNNI)."""
     return cpu_target().level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
+
+
+def integer_w8_gemv_runs() -> bool:
+    """Whether the w8 GEMV does (the same, and AMX-INT8)."""
+    return integer_gemv_runs() and cpu_target().amx_int8
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,7 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
     prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=6)
     largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_W8_GEMV", "float", models,
                                                   prompts, DECODE_TOKENS, monkeypatch)
-    assert (largest_difference > 0) == integer_gemv_runs()
+    assert (largest_difference > 0) == integer_w8_gemv_runs()
 
 
 def test_default_engine_decodes_4_bit_weights_as_the_float_gemv_does(model_dir, tmp_path, cpu_kernels, one_thread,

@@ -279,9 +279,14 @@ def assert_within_int8_rounding(output: torch.Tensor, x: torch.Tensor, qweight: 
 
 
 def integer_gemv_runs(cpu_kernels) -> bool:
-    """Whether a bfloat16 / float16 x's quantized GEMV (with bf16_gemm) sums in integers here (gemv_int8_vnni.h,
-    gemv_int4_vnni.h): the AVX-512 build on a CPU with AVX512_VNNI."""
+    """Whether a bfloat16 / float16 x's w4 GEMV (with bf16_gemm) sums in integers here (gemv_int4_vnni.h): the
+    AVX-512 build on a CPU with AVX512_VNNI."""
     return cpu_kernels.target.level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
+
+
+def integer_w8_gemv_runs(cpu_kernels) -> bool:
+    """Whether the w8 GEMV does (gemv_int8_vnni.h): the same, on a CPU with AMX-INT8."""
+    return integer_gemv_runs(cpu_kernels) and cpu_kernels.target.amx_int8
 
 
 def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """linear_w8's integer GEMV (gemv_int8_vnni.h): a bfloat16 / float16 model's decode rows, int8 weights with one
-scale per row or per group of a multiple of 32 columns, on AVX512_VNNI CPUs (AVX-512 build), against the
+scale per row or per group of a multiple of 32 columns, on AMX-INT8 CPUs (AVX-512 build), against the
 definition and (one scale per row) against the AMX-INT8 GEMM.
 
 Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
@@ -22,7 +22,7 @@ from tests.codegen.cpu.test_cpu_linear_quantized import (
     assert_within_rounding,
     decode_rows,
     int8_gemm_runs,
-    integer_gemv_runs,
+    integer_w8_gemv_runs,
     w8_weight,
 )
 
@@ -41,21 +41,21 @@ def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkey
     bias = torch.randn(n, generator=generator)
     qweight, scales = w8_weight(n, k, k, torch.float16, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
-    if integer_gemv_runs(cpu_kernels):
+    if integer_w8_gemv_runs(cpu_kernels):
         assert_within_int8_rounding(output, x, qweight, scales, bias)
     else:
         assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, w8=True)
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
     assert_within_rounding(floating, x, dequantize_w8(qweight, scales, k), bias, w8=True)
-    if integer_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+    if integer_w8_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
         assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES, ids=lambda value: str(value))
 def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monkeypatch):
     """12 rows through the GEMM (AMX-INT8 here, else another path) and their first 1, 5 and 8 through the GEMV: the
-    same bits where both are the integer kernels; elsewhere the GEMV within its own kernel's bound."""
+    same bits where both are the integer kernels."""
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
     monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "")
     x = decode_rows(12, k, torch.bfloat16, n + k)
@@ -65,10 +65,8 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
     gemm = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
     for rows in (1, 5, 8):
         gemv = torch.ops.octavo_cpu.linear_w8(x[:rows], qweight, scales, bias, k, True)
-        if integer_gemv_runs(cpu_kernels) and int8_gemm_runs(cpu_kernels):
+        if integer_w8_gemv_runs(cpu_kernels) and int8_gemm_runs(cpu_kernels):
             assert torch.equal(gemv, gemm[:rows])
-        elif integer_gemv_runs(cpu_kernels):
-            assert_within_int8_rounding(gemv, x[:rows], qweight, scales, bias)
         else:
             assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True)
 
@@ -91,14 +89,14 @@ def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype,
     qweight, scales = w8_weight(n, k, group_size, scale_dtype, generator)
     weight = dequantize_w8(qweight, scales, group_size)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
-    if integer_gemv_runs(cpu_kernels):
+    if integer_w8_gemv_runs(cpu_kernels):
         assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, bias)
     else:
         assert_within_rounding(output, x, weight, bias, w8=True)
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
     assert_within_rounding(floating, x, weight, bias, w8=True)
-    if integer_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+    if integer_w8_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
         assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
 
 

@@ -1,4 +1,5 @@
-// The w8 GEMV of a bfloat16 model (bf16_gemm) on CPUs with AVX512_VNNI, for int8 weights with one scale per row
+// The w8 GEMV of a bfloat16 model (bf16_gemm) with AVX512_VNNI (linear_quantized.cpp runs it on CPUs with AMX-INT8,
+// where it measured faster than the float32 GEMV), for int8 weights with one scale per row
 // (below) or per group of a multiple of 32 columns (at the end): up to 8 rows of x, out [M, N] =
 // x @ (float(q) * scale).T (+ bias); per row in the arithmetic of gemm_amx_int8.h.
 //
