@@ -178,8 +178,10 @@ def bf16_gemm_choices(cpu_kernels) -> list[str]:
 # (rows, N, K, w4 group size): rows of x from one partial tile to three blocks of 32; N no multiple of a block of
 # 32 weight rows; K no multiple of a tile's 32 and split into parts (1536); w4 groups that start on odd columns.
 # The AMX GEMM's two orientations (few rows of x against many weights: the weights as the A operand) each take a
-# partial tile of x, a partial block of weights and K in parts: (9, ...) and (40, ...) the one, the rest the other.
-GEMM_SHAPES = [(9, 300, 200, 64), (40, 300, 1536, 32), (33, 37, 100, 9), (64, 96, 1536, 32), (70, 64, 576, 64)]
+# partial tile of x, a partial block of weights and K in parts: (9, ...), (40, ...) and (64, 300, ...) the one, the
+# rest the other. The vdpbf16ps GEMM takes the weights as rows only for whole tiles of 32 rows of x: (64, 300, ...).
+GEMM_SHAPES = [(9, 300, 200, 64), (40, 300, 1536, 32), (64, 300, 1000, 64), (33, 37, 100, 9), (64, 96, 1536, 32),
+               (70, 64, 576, 64)]
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "group_size"), GEMM_SHAPES, ids=lambda value: str(value))

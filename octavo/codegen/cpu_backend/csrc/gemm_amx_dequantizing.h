@@ -242,10 +242,14 @@ inline void dequantize_block(const W& w, int64_t n0, int64_t columns, int64_t la
 // Weights as rows is taken when its transposes are less than half the other's. SmolLM2's w4 layers in groups of 32
 // (AMX Xeon, two threads), weights as rows against packed: 0.79x the time at 16 rows of x, 0.85-0.94x at 64,
 // 0.94-0.97x at 128; at 256 and 512 rows no faster (the sums' transposes outweigh the weights').
+// Whether the weights-as-rows orientation transposes less than the packed one: x and the sums (M x K plus M x N
+// values per call) less than half the weights (N x K).
+inline bool weights_as_rows_pays(int64_t M, int64_t N, int64_t K) { return 2 * M * (N + K) <= N * K; }
+
 template <typename W, typename T>
 void gemm_amx_dequantizing(const W& w, const c10::BFloat16* x, int64_t lda, int64_t M, const float* bias, T* out) {
   const int64_t N = w.N, K = w.K, pairs = packed_pairs(K);
-  const bool weights_as_rows = 2 * M * (N + K) <= N * K;
+  const bool weights_as_rows = weights_as_rows_pays(M, N, K);
   const int64_t tiles = (M + kAmxRows - 1) / kAmxRows;
   const TileVector<uint32_t> x_words = weights_as_rows ? pack_rows_of_x(x, lda, M, pairs) : TileVector<uint32_t>();
   const TileVector<c10::BFloat16> last_tile = weights_as_rows ? TileVector<c10::BFloat16>()

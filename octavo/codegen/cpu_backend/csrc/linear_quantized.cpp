@@ -180,7 +180,7 @@ at::Tensor gemm_linear_as(const W& w, const at::Tensor& x, const float* bias, Qu
   const int64_t lda = 2 * packed_pairs(w.K);
   const at::Tensor a = padded(x, lda, at::kBFloat16);
   if (choice == QuantizedGemm::kDot) {
-    gemm_dot_dequantizing(w, static_cast<const uint32_t*>(a.const_data_ptr()), M, bias, out.data_ptr<T>());
+    gemm_dot_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), M, bias, out.data_ptr<T>());
   } else {
     gemm_amx_dequantizing(w, a.const_data_ptr<c10::BFloat16>(), lda, M, bias, out.data_ptr<T>());
   }
