@@ -13,7 +13,8 @@
 // gemm_dot_dequantizing.h dequantizes the same blocks and multiplies them with vdpbf16ps. More rows otherwise: a tile
 // of output columns at a time is dequantized into a per-thread float32 buffer and multiplied by the BLAS GEMM.
 // OCTAVO_CPU_QUANTIZED_GEMM=onednn sends these rows to the BLAS GEMM too, =amx_bf16 every layout to the
-// dequantizing AMX GEMM, =dot to the vdpbf16ps one, for comparisons and tests (read at every call above the GEMV's rows).
+// dequantizing AMX GEMM, =dot to the vdpbf16ps one, for comparisons and tests (read at every call above the GEMV's
+// rows).
 //
 // The arithmetic, each step rounded to float32, the sums in the kernel's own order:
 // - fp8 (every path), w4 but its integer GEMV, and the w8 GEMM but its AMX-INT8 one: each weight dequantized
@@ -39,8 +40,8 @@
 // affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs or 4-bit weights in groups of
 // a multiple of 32 on AVX512_VNNI CPUs (the integer GEMVs); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
-#include "gemm_dot_dequantizing.h"
 #include "gemm_amx_int8.h"
+#include "gemm_dot_dequantizing.h"
 #include "gemv_dequantizing.h"
 #include "gemv_int4_vnni.h"
 #include "gemv_int8_vnni.h"
@@ -189,7 +190,7 @@ at::Tensor gemm_linear_as(const W& w, const at::Tensor& x, const float* bias, Qu
 
 template <typename W>
 at::Tensor gemm_linear(const W& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias,
-                      QuantizedGemm choice) {
+                       QuantizedGemm choice) {
   const at::Tensor x = rows.contiguous();
   const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
   switch (x.scalar_type()) {
