@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 
-from octavo.codegen.cpu_backend.isa import _linux_cpu_flags, cpu_target
 from octavo.config import CompileConfig
 from tests.codegen.cpu.engine_pairs import (
     default_engine_pair,
@@ -23,21 +22,12 @@ from tests.codegen.cpu.engine_pairs import (
     reference_models,
     tiny_llama_d32,
 )
+from tests.codegen.cpu.test_cpu_linear_quantized import int8_gemm_runs, integer_gemv_runs, integer_w8_gemv_runs
 
 PROMPT_LENGTHS = [12, 23, 40]  # every prompt above the GEMV's 8 rows
 MAX_TOKENS = 8
 DECODE_PROMPT_LENGTHS = [5, 9, 17]
 DECODE_TOKENS = 12  # up to 3 sequences a decode step: the GEMV's rows
-
-
-def integer_gemv_runs() -> bool:
-    """Whether the w4 GEMV sums in integers here (AVX-512 build, AVX512_VNNI)."""
-    return cpu_target().level == "avx512" and "avx512_vnni" in _linux_cpu_flags()
-
-
-def integer_w8_gemv_runs() -> bool:
-    """Whether the w8 GEMV does (the same, and AMX-INT8)."""
-    return integer_gemv_runs() and cpu_target().amx_int8
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +47,13 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
     largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_QUANTIZED_GEMM", "amx_bf16",
                                                   models, prompts, MAX_TOKENS, monkeypatch)
     # The paths differ exactly where the integer GEMM runs; elsewhere both settings take the same GEMM.
-    target = cpu_target()
-    integer_gemm = target.level == "avx512" and target.amx and target.avx512_bf16 and target.amx_int8
-    assert (largest_difference > 0) == integer_gemm
+    assert (largest_difference > 0) == int8_gemm_runs(cpu_kernels)
 
     # Decode rows: the integer GEMV against the float32 one, on the same two engines.
     prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=6)
     largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_W8_GEMV", "float", models,
                                                   prompts, DECODE_TOKENS, monkeypatch)
-    assert (largest_difference > 0) == integer_w8_gemv_runs()
+    assert (largest_difference > 0) == integer_w8_gemv_runs(cpu_kernels)
 
 
 def test_default_engine_decodes_4_bit_weights_as_the_float_gemv_does(model_dir, tmp_path, cpu_kernels, one_thread,
@@ -76,4 +64,4 @@ def test_default_engine_decodes_4_bit_weights_as_the_float_gemv_does(model_dir, 
     prompts = random_prompts(DECODE_PROMPT_LENGTHS, seed=7)
     largest_difference = largest_logit_difference(default, floating, "OCTAVO_CPU_W4_GEMV", "float",
                                                   reference_models(model_dir), prompts, DECODE_TOKENS, monkeypatch)
-    assert (largest_difference > 0) == integer_gemv_runs()
+    assert (largest_difference > 0) == integer_gemv_runs(cpu_kernels)
