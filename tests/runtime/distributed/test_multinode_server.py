@@ -83,7 +83,8 @@ def test_a_rank_that_cannot_load_stops_the_start_with_its_error(tiny_artifact, t
         with pytest.raises(WorkerFailedError, match=f"rank 1 failed: ArtifactError: no such artifact directory: "
                                                     f"{missing}"):
             create_engine(tiny_artifact("llama"), config)
-        assert node1.wait(timeout=60) == 1
+        rc = node1.wait(timeout=60)
+        assert rc == 1, node1.stderr.read().decode()[-4000:]
     finally:
         if node1.poll() is None:
             node1.kill()
