@@ -47,7 +47,8 @@ class LocalWorkers:
     `on_exit(rank, failure)` is called from a watcher thread for every worker
     that exits: `failure` is None after a clean exit, else how it ended
     ("was killed by signal SIGKILL", "exited with code 1"). The exit counts
-    (in `exits`, `wait_all`, `join`) once the call has returned.
+    (in `exits`, `wait_all`, `join`) once the call has returned; an exception
+    it raises is logged.
     """
 
     def __init__(self, module: str, spec: str, rendezvous_of: dict[int, Rendezvous],
@@ -71,16 +72,17 @@ class LocalWorkers:
         failure = None if exitcode == 0 else describe_exit(exitcode)
         if failure is not None:
             logger.error("rank %d (pid %d) %s", rank, process.pid, failure)
-        try:
-            if self._on_exit is not None:
+        if self._on_exit is not None:
+            try:
                 self._on_exit(rank, failure)
-        finally:
-            # Only after the callback: a process that returns from wait_all and exits while this daemon
-            # thread is still inside a store call aborts (the thread is unwound through c10d's C++ frames).
-            with self._lock:
-                self.exits[rank] = failure
-                if len(self.exits) == len(self.processes):
-                    self._all_exited.set()
+            except Exception:  # the exit still counts: a callback's own failure is reported, not propagated
+                logger.exception("the exit callback of rank %d failed", rank)
+        # Only after the callback: a process that returns from wait_all and exits while this daemon thread is
+        # still inside a store call aborts (the thread is unwound through c10d's C++ frames).
+        with self._lock:
+            self.exits[rank] = failure
+            if len(self.exits) == len(self.processes):
+                self._all_exited.set()
 
     @property
     def failures(self) -> dict[int, str]:
