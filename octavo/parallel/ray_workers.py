@@ -26,6 +26,7 @@ from octavo.errors import OctavoError
 from octavo.parallel.programs import program_of
 from octavo.parallel.rank import WorkerSpec, run_rank
 from octavo.runtime.distributed.launch import RankLaunch, WorkerStart
+from octavo.runtime.distributed.launcher import call_exit_callback
 from octavo.runtime.distributed.rendezvous import Rendezvous, free_port, launched_rendezvous
 from octavo.runtime.engine import resolve_device
 
@@ -92,7 +93,7 @@ class RayWorkers:
             except self.ray.exceptions.RayTaskError as error:
                 failure = f"(Ray actor) failed: {_first_line(error.cause if error.cause else error)}"
             self.ended[rank] = failure
-            start.on_exit(rank, failure)
+            call_exit_callback(start.on_exit, rank, failure)
         self._done.set()
 
     @property

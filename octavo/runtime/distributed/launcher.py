@@ -41,6 +41,15 @@ def worker_environment(rendezvous: Rendezvous) -> dict[str, str]:
     return {**os.environ, **rendezvous.environment(), "PYTHONPATH": python_path, PARENT_PID_ENV: str(os.getpid())}
 
 
+def call_exit_callback(on_exit: Callable[[int, str | None], None], rank: int, failure: str | None) -> None:
+    """Tell `on_exit` how a rank ended, from a launcher's watcher thread: an exception it raises is logged, so the
+    watcher goes on to count the exit."""
+    try:
+        on_exit(rank, failure)
+    except Exception:
+        logger.exception("the exit callback of rank %d failed", rank)
+
+
 class LocalWorkers:
     """The worker processes of this node; one watcher thread per worker records its exit as it happens.
 
@@ -73,10 +82,7 @@ class LocalWorkers:
         if failure is not None:
             logger.error("rank %d (pid %d) %s", rank, process.pid, failure)
         if self._on_exit is not None:
-            try:
-                self._on_exit(rank, failure)
-            except Exception:  # the exit still counts: a callback's own failure is reported, not propagated
-                logger.exception("the exit callback of rank %d failed", rank)
+            call_exit_callback(self._on_exit, rank, failure)
         # Only after the callback: a process that returns from wait_all and exits while this daemon thread is
         # still inside a store call aborts (the thread is unwound through c10d's C++ frames).
         with self._lock:
