@@ -12,7 +12,7 @@ from octavo.errors import OctavoError
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
-QUANT_SCHEMES = ("none", "w8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
+QUANT_SCHEMES = ("none", "w8", "w8a8", "w4", "w4-awq", "w4-gptq", "w4-awq-gptq", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 VOCAB_QUANT = ("int8", "w4", "none")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")
@@ -84,6 +84,9 @@ class CompileConfig:
                               f"{', '.join(VOCAB_QUANT)}")
         if self.gptq_act_order and self.quant not in ("w4-gptq", "w4-awq-gptq"):
             raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not {self.quant}")
+        if self.quant == "w8a8" and self.group_size is not None:
+            raise OctavoError("--quant w8a8 takes one scale per output channel (its int8 x int8 sums run over whole "
+                              "rows): drop --group-size")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
         self.lora_adapters, self.lora_targets = tuple(self.lora_adapters), tuple(self.lora_targets)

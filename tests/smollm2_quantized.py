@@ -19,13 +19,14 @@ from octavo.config import CompileConfig
 SLICE_TOKENS = 1024  # three windows of 512 at stride 256
 CALIBRATION_CHARS = 20_000  # 4686 tokens of the default calibration mix: 9 runs of 512
 PERPLEXITIES = "perplexities.json"
-VARIANTS = ("fp32", "w8", "w4", "w4-vocab4", "kv-int8", "w4-g64", "w4-awq-g64", "w4-gptq-g64")
+VARIANTS = ("fp32", "w8", "w8a8", "w4", "w4-vocab4", "kv-int8", "w4-g64", "w4-awq-g64", "w4-gptq-g64")
 
 
 def variants(calibration: str) -> dict[str, CompileConfig]:
     """Each artifact's compile options (by VARIANTS' names); AWQ and GPTQ read the calibration file `calibration`."""
     return {"fp32": CompileConfig(dtype="float32"),
-            "w8": CompileConfig(dtype="float32", quant="w8"), "w4": CompileConfig(dtype="float32", quant="w4"),
+            "w8": CompileConfig(dtype="float32", quant="w8"), "w8a8": CompileConfig(dtype="float32", quant="w8a8"),
+            "w4": CompileConfig(dtype="float32", quant="w4"),
             "w4-vocab4": CompileConfig(dtype="float32", quant="w4", vocab_quant="w4"),
             "kv-int8": CompileConfig(dtype="float32", kv_cache_dtype="int8"),
             "w4-g64": CompileConfig(dtype="float32", quant="w4", group_size=64),

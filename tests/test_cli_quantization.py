@@ -35,6 +35,20 @@ def test_inspect_reports_the_quantization(tiny_quantized_artifact):
     assert "+ 8 cache pools" in result.stdout  # 2 layers x (key, value, key scales, value scales)
 
 
+def test_compile_w8a8_and_inspect_its_activations(tiny_model_dir, tmp_path):
+    artifact = tmp_path / "artifact"
+    result = run_cli("compile", str(tiny_model_dir("llama")), "-o", str(artifact), "--quant", "w8a8")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("inspect", str(artifact))
+    assert result.returncode == 0, result.stderr
+    assert "quant    w8a8: w8 weights, group per channel, values 10 rtn" in result.stdout
+    assert ("activations rounded to int8 at run time (groups of 64 columns of a row, dynamic, symmetric), except "
+            "the linear that produces the logits") in result.stdout
+    refused = run_cli("compile", str(tiny_model_dir("llama")), "-o", str(tmp_path / "other"), "--quant", "w8a8",
+                      "--group-size", "32")
+    assert refused.returncode != 0 and "--quant w8a8 takes one scale per output channel" in refused.stderr
+
+
 def _held(stdout: str) -> dict[str, float]:
     """{dtype: MiB} of `inspect --memory`'s "weights held by the kernels" line."""
     line = next(line for line in stdout.splitlines() if line.startswith("memory   loaded here"))

@@ -5,7 +5,9 @@ exactly the dequantized GGUF values: `--quant w4` keeps the Q4_1 blocks and the 
 as they are, `--quant w8` requantizes the linears to int8 per channel (and keeps the Q8_0
 table). Perplexity is scored on a short slice of the evaluation text, the same tokens for
 every artifact; the bounds are the project's targets (w8 within +1% of fp32, an int8 KV
-cache within +0.5%) and, for w4 (GGUF's own values, computed with bf16 activations where
+cache within +0.5%; w8a8, whose activations are also rounded to int8 in groups of 64, is held to w8's +1%: on
+this slice it measured -0.35% against w8's -0.33%, on 2048 tokens of held-out prose, code and documentation
++0.7%, +0.4% and +0.0%, benchmarks/RESULTS.md) and, for w4 (GGUF's own values, computed with bf16 activations where
 the CPU has native bf16), +1%; for w4 with a 4-bit vocabulary table, the +6% the project
 allows calibrated 4-bit schemes.
 
@@ -61,7 +63,8 @@ def perplexities(smollm2_quantized) -> dict[str, float]:
 
 
 # w4-vocab4 also stores the embedding/lm_head in 4 bits: held to the calibrated schemes' +6%.
-@pytest.mark.parametrize(("variant", "bound"), [("w8", 0.01), ("w4", 0.01), ("w4-vocab4", 0.06), ("kv-int8", 0.005)])
+@pytest.mark.parametrize(("variant", "bound"), [("w8", 0.01), ("w8a8", 0.01), ("w4", 0.01), ("w4-vocab4", 0.06),
+                                                ("kv-int8", 0.005)])
 def test_perplexity_within_bounds_of_fp32(perplexities, variant, bound):
     assert 5 < perplexities["fp32"] < 30, f"fp32 perplexity {perplexities['fp32']} is not a working model's"
     assert perplexities[variant] <= perplexities["fp32"] * (1 + bound), perplexities

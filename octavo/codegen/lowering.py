@@ -58,7 +58,8 @@ def native_bf16_linear(backend: str):
     return None
 
 
-def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None) -> GraphModule:
+def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch.dtype | None = None,
+                int8_activations: bool = False) -> GraphModule:
     """Replace each octavo op node's target by the backend's kernel op (in place); ATen ops stay as they are.
 
     Every kernel is an OpOverload (a custom op of the backend's namespace, or
@@ -71,12 +72,19 @@ def lower_graph(graph_module: GraphModule, backend: str, activation_dtype: torch
     (torch_backend.weight_packing; `activation_dtype` is the artifact's
     dtype, float32 when not given); the cpu backend's w8 and w4 linears
     call its own kernels, and so do its bfloat16 linears
-    (weight_packing.route_bf16_linears).
+    (weight_packing.route_bf16_linears). `int8_activations` (a w8a8
+    artifact): its w8 linears round their inputs to int8 (weight_packing);
+    only the CPU backends have kernels for that, so another backend is
+    refused.
     """
+    if int8_activations and backend not in ("torch", "cpu"):
+        raise OctavoError(f"a w8a8 artifact (int8 activations) runs on the cpu and torch backends; {backend} has no "
+                          "int8-activation linear: compile with --quant w8 for it")
     if backend in ("torch", "cpu"):  # cpu packs like torch, except the layouts it has its own kernels for
         from octavo.codegen.torch_backend.weight_packing import pack_quantized_linears, route_bf16_linears
 
-        pack_quantized_linears(graph_module, activation_dtype, native_kernels=native_quantized_kernels(backend))
+        pack_quantized_linears(graph_module, activation_dtype, native_kernels=native_quantized_kernels(backend),
+                               int8_activations=int8_activations)
         bf16_kernel = native_bf16_linear(backend)
         if bf16_kernel is not None:
             route_bf16_linears(graph_module, bf16_kernel)

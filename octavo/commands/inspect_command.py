@@ -153,6 +153,10 @@ def _print_quantization(record: dict | None) -> None:
         calibration = _calibration_text(record.get("calibration"))
         console.print(f"quant    {record['scheme']}: {record['layout']} weights, group {group}, "
                       f"values {values}; calibration {calibration}", markup=False)
+        activations = record.get("activations")
+        if activations:
+            console.print(f"         activations rounded to {activations['dtype']} at run time "
+                          f"({activations['granularity']}), except {activations['except']}", markup=False)
         for entry in (record.get("vocab") or {}).get("weights", []):
             tied = ", tied embedding/lm_head" if entry["tied"] else ""
             console.print(f"         {entry['weight']}: {entry['layout']} group {entry['group_size']} "

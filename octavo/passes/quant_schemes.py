@@ -70,6 +70,7 @@ class QuantScheme:
     vocab_layout: str | None = W8
     vocab_reason: str = VOCAB_REASONS["int8"]
     calibrated: bool = False
+    activations: str | None = None  # "int8": the linears' inputs are rounded to int8 at run time (w8a8)
 
     def prepare(self, graph_module: GraphModule, ctx) -> None:
         """Pre-transforms of float weights (none for RTN)."""
@@ -81,8 +82,13 @@ class QuantScheme:
         return rtn(self.vocab_layout, weight, DEFAULT_W4_GROUP_SIZE if self.vocab_layout == W4 else None)
 
     def describe(self) -> dict:
-        return {"scheme": self.name, "layout": self.layout, "group_size": self.group_size,
-                "calibrated": self.calibrated}
+        record = {"scheme": self.name, "layout": self.layout, "group_size": self.group_size,
+                  "calibrated": self.calibrated}
+        if self.activations is not None:
+            record["activations"] = {"dtype": self.activations,
+                                     "granularity": "groups of 64 columns of a row, dynamic, symmetric",
+                                     "except": "the linear that produces the logits"}
+        return record
 
     def sequential_key(self) -> tuple | None:
         """None when the scheme reads statistics of the float model; else what its sequential statistics depend on.
@@ -167,6 +173,7 @@ def vocab_options(config: CompileConfig) -> dict:
 
 SCHEMES: dict[str, SchemeFactory] = {
     "w8": lambda config: QuantScheme("w8", W8, config.group_size, **vocab_options(config)),
+    "w8a8": lambda config: QuantScheme("w8a8", W8, None, activations="int8", **vocab_options(config)),
     "w4": lambda config: QuantScheme("w4", W4, config.group_size or DEFAULT_W4_GROUP_SIZE, **vocab_options(config)),
     "fp8": lambda config: QuantScheme("fp8", FP8, None, **vocab_options(config)),
 }

@@ -1,7 +1,9 @@
 """quantize_weights: linears (and the embedding / lm_head) over float weights -> octavo quantized ops.
 
-Runs with ``--quant w8|w4|fp8|w4-awq|w4-gptq|w4-awq-gptq`` (see quant_schemes for what a scheme decides), after
-fuse_qkv and fuse_gate_up, so a fused qkv or gate_up linear is quantized as one weight.
+Runs with ``--quant w8|w8a8|w4|fp8|w4-awq|w4-gptq|w4-awq-gptq`` (see quant_schemes for what a scheme decides),
+after fuse_qkv and fuse_gate_up, so a fused qkv or gate_up linear is quantized as one weight. w8a8 stores what w8
+stores (its linears always one scale per output channel) and records in the manifest that the runtime rounds the
+linears' inputs to int8 (``activations``); the graph is the same.
 
 For every weight placeholder that only ``aten.linear`` (as its weight) and
 ``aten.embedding`` (as its table) read:
@@ -170,9 +172,15 @@ def _quantize(weight: Node, is_vocab: bool, provided: QuantizedWeight | None, sc
 
 
 def keeps_supplied(provided: QuantizedWeight | None, layout: str, is_vocab: bool, config) -> bool:
-    """Whether a supplied value is stored as it is: same layout, and no explicit other group size for a linear."""
-    return provided is not None and provided.layout == layout and (
-        is_vocab or config.group_size in (None, provided.group_size))
+    """Whether a supplied value is stored as it is: same layout, and no explicit other group size for a linear
+    (w8a8's linears: one scale per output channel, so a grouped supplied value is quantized again)."""
+    if provided is None or provided.layout != layout:
+        return False
+    if is_vocab:
+        return True
+    if config.quant == "w8a8":
+        return provided.group_size >= provided.qweight.shape[1]
+    return config.group_size in (None, provided.group_size)
 
 
 def provided_value(name: str, ctx: PassContext) -> QuantizedWeight | None:

@@ -19,7 +19,9 @@ which the op packs for its own kernels at its first call. So the package holds a
 of the weights: it is a cache of this machine, never part of the artifact,
 and lives under ``cache_root()/executor``, keyed by the artifact's file
 checksums (weights included), the backend, the lowered graph's code (which
-names the kernels chosen for this machine), the CPU's vector ISA, the thread
+names the kernels chosen for this machine), the names, shapes and dtypes of
+the weights as lowering packed them (a kernel's packing is baked into the
+package), the CPU's vector ISA, the thread
 count (generated loops are parallelized for it), the torch and octavo
 versions, this module's format and, for the program of one rank of a
 parallel engine, the rank's position and world size (its weights are its
@@ -79,6 +81,9 @@ def package_key(manifest: dict, backend: str, lowered: GraphModule, scope: dict 
         "backend": backend,
         # The kernels lowering chose on this machine (for quantized linears they depend on its bf16 support).
         "lowered_graph": hashlib.sha256(lowered.code.encode()).hexdigest(),
+        # The package holds the weights as packed at load: a kernel's packing (shape, dtype) is part of the code.
+        "constants": hashlib.sha256(repr([(name, tuple(tensor.shape), str(tensor.dtype))
+                                          for name, tensor in lowered.named_buffers()]).encode()).hexdigest(),
         "decomposed": DECOMPOSED_OPS,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),

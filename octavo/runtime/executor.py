@@ -24,19 +24,24 @@ def bind_weights(graph_module: GraphModule, weights: dict[str, torch.Tensor], de
     return graph_module
 
 
+def int8_activations(manifest: dict) -> bool:
+    """Whether the artifact's linears round their inputs to int8 at run time (``--quant w8a8``)."""
+    return ((manifest.get("quantization") or {}).get("activations") or {}).get("dtype") == "int8"
+
+
 class GraphExecutor:
     """Runs the lowered graph node by node from Python: `run(inputs)` feeds every runtime placeholder by name."""
 
     kind = "eager"
 
     def __init__(self, graph_module: GraphModule, weights: dict[str, torch.Tensor], backend: str,
-                 device: torch.device, activation_dtype: torch.dtype | None = None):
+                 device: torch.device, activation_dtype: torch.dtype | None = None, int8_activations: bool = False):
         self.device = device
         # Work on a copy: binding and lowering rewrite the graph, and the artifact may serve other engines.
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(graph_module.graph, {}))
         graph_module = bind_weights(GraphModule(torch.nn.Module(), graph), weights, device)
-        self.graph_module = lower_graph(graph_module, backend, activation_dtype)
+        self.graph_module = lower_graph(graph_module, backend, activation_dtype, int8_activations)
         self.input_names = [node.name for node in self.graph_module.graph.nodes if node.op == "placeholder"]
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

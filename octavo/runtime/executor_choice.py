@@ -10,7 +10,7 @@ from torch.fx import GraphModule
 
 from octavo.errors import OctavoError
 from octavo.runtime.compiled_executor import CompilationUnavailableError, CompiledExecutor
-from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.executor import GraphExecutor, int8_activations
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def create_executor(graph_module: GraphModule, weights: dict[str, torch.Tensor],
     "compiled" fails instead, saying why.
     """
     choice = resolve_executor(requested)
-    eager = GraphExecutor(graph_module, weights, backend, device, activation_dtype)
+    eager = GraphExecutor(graph_module, weights, backend, device, activation_dtype, int8_activations(manifest))
     if choice == "eager" or device.type != "cpu":
         return eager
     try:

@@ -199,3 +199,48 @@ def test_int8pack_takes_a_misaligned_weight(one_thread):
     actual = linear_int8pack(x, packed["qweight"], packed["scales"], None)
     dense = quantized.dequantize()
     _check(actual, linear_reference(x, dense, None), _bf16_bound(x, dense.abs() + quantized.scales))
+
+
+@pytest.mark.parametrize(("rows", "columns", "out"), [(1, 3, 5), (4, 101, 37), (9, 576, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_w8a8_kernel_computes_its_definition(rows, columns, out, dtype):
+    """octavo_torch::linear_w8a8 against the definition (tests/codegen/cpu/test_cpu_linear_w8a8.py's reference, exact
+    in float64): it sums in float64 and rounds once to float32 (u = 2^-24 of the result), then to x's dtype."""
+    from tests.codegen.cpu.test_cpu_linear_w8a8 import ROUNDOFF, reference
+
+    generator = torch.Generator().manual_seed(rows * columns)
+    x = (torch.randn(2, rows, columns, generator=generator) * torch.logspace(-1, 1, columns)).to(dtype)
+    quantized = quantize_w8(0.1 * torch.randn(out, columns, generator=generator))
+    bias = torch.randn(out, generator=generator)
+    scales = quantized.scales.reshape(-1).float()
+    actual = torch.ops.octavo_torch.linear_w8a8(x, quantized.qweight, scales, bias)
+    exact, magnitude = reference(x.reshape(-1, columns), quantized.qweight, scales, bias)
+    assert actual.shape == (2, rows, out) and actual.dtype == dtype
+    # Both sums in float64 (relative 2^-53 per addition of the magnitudes), then the two roundings of the result.
+    bound = (2**-24 + ROUNDOFF[dtype]) * exact.abs() * 1.0001 + 2**-40 * magnitude
+    assert bool(((actual.reshape(-1, out).double() - exact).abs() <= bound).all())
+
+
+def test_w8a8_choice_takes_per_channel_int8_linears_but_the_logits():
+    """With int8 activations (a w8a8 artifact) the per-channel w8 linear takes linear_w8a8; grouped w8, w4, fp8 and
+    the logits' linear (here the last, fp8) keep their choice."""
+    gm, dense, _ = _quantized_graph(_data(1, 96, 32)[1])
+    choices = pack_quantized_linears(gm, torch.float32, FAST, int8_activations=True)
+    kernels = [node.target._opname.removeprefix("linear_") for node in gm.graph.nodes if node.op == "call_function"]
+    assert kernels == ["w8a8", "dequantized", "int4pack", "dequantized", "dequantized"]
+    assert choices["w8a8 (int8)"] == 1
+    x = torch.randn(3, 96)
+    exact = x.double() @ dense["w8"].double().t()
+    # Against the float linear: each x moves by at most half its group's step, max|x in the group| / 254.
+    largest = torch.nn.functional.pad(x.abs(), (0, 32)).reshape(3, 2, 64).amax(-1).repeat_interleave(64, 1)[:, :96]
+    bound = (largest / 254 * 1.0001).double() @ dense["w8"].abs().double().t() + 1e-5
+    assert bool(((gm(x)[0].double() - exact).abs() <= bound).all())
+
+
+def test_w8a8_on_a_backend_without_an_int8_activation_kernel_is_refused():
+    from octavo.codegen.lowering import lower_graph
+    from octavo.errors import OctavoError
+
+    gm, _, _ = _quantized_graph(_data(1, 96, 32)[1])
+    with pytest.raises(OctavoError, match=r"w8a8 artifact .* triton has no int8-activation linear"):
+        lower_graph(gm, "triton", torch.float32, int8_activations=True)

@@ -10,12 +10,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from octavo.config import CompileConfig
-from octavo.errors import PassError
+from octavo.errors import OctavoError, PassError
 from octavo.frontend.architectures import architecture_for
-from octavo.ir.quantized_layout import W4, QuantizedWeight
+from octavo.ir.quantized_layout import W4, W8, QuantizedWeight
 from octavo.passes import PassContext, quant_schemes, run_pipeline
 from octavo.passes.quant_schemes import VOCAB_REASONS
-from octavo.passes.quantize_rtn import quantize_w4
+from octavo.passes.quantize_rtn import quantize_w4, quantize_w8
 from tests.passes.fusion_harness import (
     ALL_PASSES,
     Compiled,
@@ -124,6 +124,23 @@ def test_an_explicit_other_group_size_quantizes_again():
     after = quantized("llama", {name: _supplied(traced.weights[name])}, quant="w4", group_size=64)
     assert stored(after, "model_layers_0_mlp_down_proj").group_size == 64
     assert after.ctx.quantization["values"] == {"rtn": 10}
+
+
+def test_w8a8_stores_w8_per_channel_and_records_int8_activations():
+    """w8a8's linears are w8 with one scale per output channel even where grouped int8 values are supplied (GGUF's
+    Q8_0); the manifest's record says the runtime rounds the activations to int8; a group size is refused."""
+    _, traced = traced_model("llama", "float32")
+    name = "model_layers_0_mlp_down_proj_weight"
+    supplied = quantize_w8(traced.weights[name], 32)
+    after = quantized("llama", {name: QuantizedWeight(W8, supplied.qweight, supplied.scales, None, 32, "test")},
+                      quant="w8a8")
+    down = stored(after, "model_layers_0_mlp_down_proj")
+    assert down.layout == W8 and down.group_size == traced.weights[name].shape[1]
+    assert after.ctx.quantization["scheme"] == "w8a8" and after.ctx.quantization["group_size"] is None
+    assert after.ctx.quantization["activations"]["dtype"] == "int8"
+    assert "test" not in after.ctx.quantization["values"]
+    with pytest.raises(OctavoError, match="--quant w8a8 takes one scale per output channel"):
+        CompileConfig(quant="w8a8", group_size=32)
 
 
 def _supplied(weight: torch.Tensor) -> QuantizedWeight:

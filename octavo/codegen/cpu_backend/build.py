@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "linear_w16.cpp", "linear_quantized.cpp", "linear_bf16.cpp", "argmax_rows.cpp",
-           "moe.cpp", "shm_collectives.cpp")
+           "moe.cpp", "shm_collectives.cpp", "linear_w8a8.cpp")
 LIBRARY_NAME = "octavo_cpu_kernels"
 # No -ffast-math: results must not depend on how the compiler reassociates. Contraction off: an FMA
 # only where the source asks for one, so the same computation rounds the same in every code path.

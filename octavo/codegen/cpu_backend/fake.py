@@ -34,6 +34,15 @@ def register_fake_kernels() -> None:
     def _(x, qweight, scales, bias, bf16_gemm=False):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("octavo_cpu::pack_w8a8")
+    def _(qweight):
+        blocks, steps = -(-qweight.shape[0] // 16), -(-qweight.shape[1] // 4)
+        return qweight.new_empty((blocks, steps, 16, 4), dtype=torch.uint8)
+
+    @torch.library.register_fake("octavo_cpu::linear_w8a8")
+    def _(x, packed, scales, bias, out_features, in_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("octavo_cpu::moe")
     def _(x, router_weight, gate_up, down, top_k, normalize, activation="silu", round_weights=True,
           gate_up_scales=None, gate_up_offsets=None, down_scales=None, down_offsets=None, group_size=0):

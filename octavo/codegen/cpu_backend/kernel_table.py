@@ -8,10 +8,12 @@ from octavo.codegen.cpu_backend.build import load_cpu_kernels
 
 
 def native_quantized_kernels() -> dict:
-    """Quantized layout -> the C++ linear over it (the octavo op's arguments, plus bf16_gemm)."""
+    """Quantized layout -> the C++ linear over it (the octavo op's arguments, plus bf16_gemm); "w8a8" and
+    "w8a8_pack": the int8-activation linear of w8a8 artifacts and the op that packs its weights."""
     load_cpu_kernels()
     native = torch.ops.octavo_cpu
-    return {"w8": native.linear_w8.default, "w4": native.linear_w4.default, "fp8": native.linear_fp8.default}
+    return {"w8": native.linear_w8.default, "w4": native.linear_w4.default, "fp8": native.linear_fp8.default,
+            "w8a8": native.linear_w8a8.default, "w8a8_pack": native.pack_w8a8.default}
 
 
 def native_bf16_linear():

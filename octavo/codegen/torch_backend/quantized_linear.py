@@ -13,6 +13,9 @@ it. Each is a torch.library custom op, so a compiled graph sees one opaque call.
   ``zero = offset + 8 * scale`` turns the portable asymmetric form into its own. It needs
   N % 16 == 0 and K % group_size == 0: rows are padded with zero weights (sliced off the
   result) and the activation with zero columns (which add nothing).
+- ``octavo_torch::linear_w8a8``: a w8a8 artifact's linears (int8 weight [N, K], float32 scales [N]):
+  ``x`` rounded to int8 in groups of 64 columns, each on a step of its own, the groups' exact
+  sums scaled and added (round_to_int8_groups, linear_w8a8).
 - ``octavo_torch::linear_dequantized``: ``F.linear`` on a weight dequantized once at load
   into the compute dtype; ``column_scales`` (fp8: the weight holds the exact fp8 values and
   the per-channel scales multiply the result in float32) may be None.
@@ -61,6 +64,49 @@ def linear_int4pack(x: Tensor, packed: Tensor, scales_and_zeros: Tensor, bias: T
 @linear_int4pack.register_fake
 def _(x, packed, scales_and_zeros, bias, group_size, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+W8A8_GROUP = 64
+"""Columns of x that share one int8 step in w8a8's linears (see round_to_int8_groups)."""
+
+
+def round_to_int8_groups(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(xq int8 [M, G, 64], step float32 [M, G, 1]) of ``x`` [M, K], K padded with zeros to G groups of
+    W8A8_GROUP columns: step = max|x[m, group]| / 127 and xq = nearest-even(x * (127 / max|x[m, group]|)), each
+    rounded to float32 once (0 where the group is all zero).
+
+    The arithmetic of w8a8's activations on every backend: |x - xq * step| <= step / 2.
+    """
+    x = x.float()
+    groups = -(-x.shape[-1] // W8A8_GROUP)
+    x = F.pad(x, (0, groups * W8A8_GROUP - x.shape[-1])).reshape(x.shape[0], groups, W8A8_GROUP)
+    amax = x.abs().amax(-1, keepdim=True)
+    # A true division: `127.0 / amax` would be amax.reciprocal() * 127, rounded twice.
+    factor = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * factor).clamp(-127, 127).to(torch.int8), amax / 127.0
+
+
+@torch.library.custom_op("octavo_torch::linear_w8a8", mutates_args=())
+def linear_w8a8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """``x`` [..., K] @ (qweight int8 [N, K] * scales [N]).T (+ bias) with x rounded to int8 in groups of 64
+    columns first (round_to_int8_groups): out = (sum over groups of step * sum(xq * q)) * scale + bias, each
+    group's sum exact, the rest in float64 then rounded to float32 once (the cpu backend sums the groups in
+    float32), then to ``x.dtype``."""
+    flat = x.reshape(-1, x.shape[-1])
+    xq, step = round_to_int8_groups(flat)
+    groups = xq.shape[1]
+    q = F.pad(qweight, (0, groups * W8A8_GROUP - qweight.shape[1])).reshape(qweight.shape[0], groups, W8A8_GROUP)
+    # float64 holds every product and group sum exactly (|sum| < 2^24).
+    dots = torch.einsum("mgk,ngk->mgn", xq.double(), q.double())
+    result = (dots * step.double()).sum(1) * scales.double()
+    if bias is not None:
+        result = result + bias.double()
+    return result.float().to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+@linear_w8a8.register_fake
+def _(x, qweight, scales, bias):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @torch.library.custom_op("octavo_torch::linear_dequantized", mutates_args=())

@@ -32,6 +32,13 @@ GEMM, which runs in bfloat16 (``bf16_gemm``) where the CPU has native bfloat16, 
 the vocabulary projection, for the reason above: reported as "native (bfloat16)", else
 "native (float32)".
 
+A w8a8 artifact (``int8_activations``) rounds each row of its linears' inputs to int8 at run time:
+every w8 linear with one scale per output channel, except the one that produces the logits (for the
+reason above) and those of 65536 or more input features (the int32 sums' range), becomes the backend's
+own ``w8a8`` kernel over weights packed for it by its ``w8a8_pack`` op (the cpu backend's
+octavo_cpu::linear_w8a8, vpdpbusd on AVX512_VNNI CPUs), else ``octavo_torch::linear_w8a8``
+(torch._int_mm); reported as "w8a8 (int8)". The other linears take the choice above.
+
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
 
@@ -85,11 +92,18 @@ class CpuFeatures:
         return f"{'avx512' if self.avx512 else 'no avx512'}, {'native' if self.native_bf16 else 'no native'} bf16"
 
 
+W8A8_MAX_IN_FEATURES = 65536
+"""w8a8's int32 sums hold K * 255 * 127 below 2^31 (the cpu kernel's unsigned weight bytes) for fewer features."""
+
+
 def choose_kernel(layout: str, group_size: int, in_features: int, activation_dtype: torch.dtype,
                   features: CpuFeatures, produces_logits: bool = False,
-                  native_layouts: Collection[str] = ()) -> tuple[str, torch.dtype]:
+                  native_layouts: Collection[str] = (), int8_activations: bool = False) -> tuple[str, torch.dtype]:
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
+    if (int8_activations and layout == "w8" and group_size >= in_features and not produces_logits
+            and in_features < W8A8_MAX_IN_FEATURES):
+        return "w8a8", torch.int8
     bf16_compute = activation_dtype == torch.bfloat16 or (
         activation_dtype == torch.float32 and features.native_bf16 and not produces_logits)
     if layout in native_layouts and forced != "dequantized":
@@ -106,11 +120,14 @@ def choose_kernel(layout: str, group_size: int, in_features: int, activation_dty
 
 def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dtype | None = None,
                            features: CpuFeatures | None = None,
-                           native_kernels: Mapping[str, OpOverload] | None = None) -> Counter:
+                           native_kernels: Mapping[str, OpOverload] | None = None,
+                           int8_activations: bool = False) -> Counter:
     """Rewrite every octavo.linear_w8/w4/fp8 node (weights bound as get_attr) into its chosen kernel.
 
     `native_kernels` maps layouts ("w8", "w4") to a backend's own kernels of the same
-    arguments plus ``bf16_gemm`` (see the module docstring).
+    arguments plus ``bf16_gemm``, and "w8a8" / "w8a8_pack" to its int8-activation linear and
+    the op that packs its weights (see the module docstring). `int8_activations`: the
+    artifact is w8a8.
     Returns how many linears got each "kernel (compute dtype)"; unused original weight
     buffers are dropped.
     """
@@ -123,7 +140,8 @@ def pack_quantized_linears(graph_module: GraphModule, activation_dtype: torch.dt
         if not _bound(node):
             continue  # weights passed as graph inputs cannot be packed: the node runs the reference op
         kernel, compute_dtype = _rewrite(graph_module, node, targets[node.target], activation_dtype, features,
-                                         produces_logits=node is linears[-1], native_kernels=native_kernels or {})
+                                         produces_logits=node is linears[-1], native_kernels=native_kernels or {},
+                                         int8_activations=int8_activations)
         choices[f"{kernel} ({str(compute_dtype).removeprefix('torch.')})"] += 1
     if choices:
         _drop_unused_buffers(graph_module)
@@ -175,19 +193,21 @@ def _bound_bfloat16(graph_module: GraphModule, node: object) -> bool:
 
 def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtype: torch.dtype,
              features: CpuFeatures, produces_logits: bool,
-             native_kernels: Mapping[str, OpOverload]) -> tuple[str, torch.dtype]:
+             native_kernels: Mapping[str, OpOverload], int8_activations: bool) -> tuple[str, torch.dtype]:
     x, weight_nodes, bias, group_size = _parse(node, layout)
     tensors = [_buffer(graph_module, weight) for weight in weight_nodes]
     qweight = tensors[0]
     in_features = 2 * qweight.shape[1] if layout == "w4" else qweight.shape[1]
     kernel, compute_dtype = choose_kernel(layout, group_size or in_features, in_features, activation_dtype, features,
-                                          produces_logits, native_kernels.keys())
-    if kernel == "native":
+                                          produces_logits, native_kernels.keys(), int8_activations)
+    if kernel == "w8a8":
+        packed, target, extra = _w8a8(tensors, native_kernels)
+    elif kernel == "native":
         _widen_group_parameters(graph_module, node, weight_nodes[1:], tensors[1:])
         node.target = native_kernels[layout]
         node.args = (*node.args, compute_dtype == torch.bfloat16)
         return kernel, compute_dtype
-    if kernel == "int8pack":
+    elif kernel == "int8pack":
         packed = pack_int8(*tensors, compute_dtype)
         target, extra = octavo_torch.linear_int8pack.default, ()
     elif kernel == "int4pack":
@@ -207,6 +227,16 @@ def _rewrite(graph_module: GraphModule, node: Node, layout: str, activation_dtyp
     node.replace_all_uses_with(replacement)
     graph.erase_node(node)
     return kernel, compute_dtype
+
+
+def _w8a8(tensors: list[torch.Tensor], native_kernels: Mapping[str, OpOverload]) -> tuple[dict, OpOverload, tuple]:
+    """(weights, kernel, trailing arguments) of a w8a8 linear: the backend's own kernel on its packing, else torch's."""
+    qweight, scales = tensors
+    scales = scales.float().reshape(-1).contiguous()
+    if "w8a8" in native_kernels:
+        packed = {"packed": native_kernels["w8a8_pack"](qweight), "scales": scales}
+        return packed, native_kernels["w8a8"], tuple(qweight.shape)
+    return {"qweight": qweight.contiguous(), "scales": scales}, octavo_torch.linear_w8a8.default, ()
 
 
 def _widen_group_parameters(graph_module: GraphModule, node: Node, nodes: list[Node],

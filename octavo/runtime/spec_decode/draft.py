@@ -18,7 +18,7 @@ import torch
 
 from octavo.errors import OctavoError
 from octavo.runtime.block_manager import BlockManager
-from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.executor import GraphExecutor, int8_activations
 from octavo.runtime.input_batch import build_step_inputs
 from octavo.runtime.kv_cache import KVCache
 from octavo.runtime.loader import LoadedArtifact
@@ -64,7 +64,8 @@ class DraftProposer(Proposer):
         self.max_model_len = draft.manifest["max_model_len"]
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
-        self.executor = GraphExecutor(draft.graph_module, draft.weights, backend, device)
+        self.executor = GraphExecutor(draft.graph_module, draft.weights, backend, device,
+                                      int8_activations=int8_activations(draft.manifest))
         self.kv_cache = KVCache(layout, num_blocks, device)
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.sampler = Sampler(draft.manifest["vocab_size"], draft.eos_token_ids, seed=seed + 1)

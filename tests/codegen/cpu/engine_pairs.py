@@ -79,11 +79,12 @@ def rounding_size(exact, hf_bf16, context: list[int]) -> float:
     return (logits[1] - logits[0]).abs().max().item()
 
 
-def largest_logit_difference(first: LLMEngine, second: LLMEngine, variable: str, value: str, models: tuple,
-                             prompts: list[list[int]], max_tokens: int,
+def largest_logit_difference(first: LLMEngine, second: LLMEngine, variable: str | None, value: str | None,
+                             models: tuple, prompts: list[list[int]], max_tokens: int,
                              monkeypatch: pytest.MonkeyPatch) -> float:
-    """Runs `prompts` greedily on both engines (`second` with `variable`=`value`), asserts the agreement of the
-    module docstring at every sampled row, and returns the largest difference of two rows' logits."""
+    """Runs `prompts` greedily on both engines (`second` with `variable`=`value`; no variable: two engines that
+    differ by their own configuration), asserts the agreement of the module docstring at every sampled row, and
+    returns the largest difference of two rows' logits."""
     exact, hf_bf16 = models
     for prompt in prompts:
         for engine in (first, second):
@@ -92,9 +93,11 @@ def largest_logit_difference(first: LLMEngine, second: LLMEngine, variable: str,
     compared = equal_tokens = 0
     largest_difference = 0.0
     while first.has_unfinished_requests():
-        monkeypatch.delenv(variable, raising=False)
+        if variable is not None:
+            monkeypatch.delenv(variable, raising=False)
         first.step()
-        monkeypatch.setenv(variable, value)
+        if variable is not None:
+            monkeypatch.setenv(variable, value)
         second.step()
         theirs = sampled(second)
         for request_id, (context, logits) in sampled(first).items():
@@ -113,7 +116,8 @@ def largest_logit_difference(first: LLMEngine, second: LLMEngine, variable: str,
             gap = (theirs[request_id][1][reference] - theirs[request_id][1][ours]).item()
             assert gap <= 2 * bound, f"{request_id}: token {ours}, the other path's {reference}, {gap:.4f} apart"
             diverged.add(request_id)
-    monkeypatch.delenv(variable, raising=False)
+    if variable is not None:
+        monkeypatch.delenv(variable, raising=False)
     assert not second.has_unfinished_requests()
     assert equal_tokens >= len(prompts) * max_tokens // 2, f"only {equal_tokens} of {compared} tokens equal"
     return largest_difference

@@ -24,7 +24,8 @@ from tests.conftest import AVX2_ENVIRONMENT, avx2_rerun_applies
 KERNEL_TESTS = ("test_cpu_build.py::test_the_loaded_library_was_built_for_this_target",
                 "test_cpu_linear_quantized.py", "test_cpu_linear_w16.py", "test_cpu_paged_attention.py",
                 "test_cpu_paged_prefill.py", "test_cpu_argmax_rows.py", "test_cpu_linear_bf16.py",
-                "test_cpu_w8_integer_gemv.py", "test_cpu_w4_integer_gemv.py", "test_cpu_packed_weights.py")
+                "test_cpu_w8_integer_gemv.py", "test_cpu_w4_integer_gemv.py", "test_cpu_packed_weights.py",
+                "test_cpu_linear_w8a8.py")
 # Independent of the level (the ops' fake kernels), so run once, at the host's.
 LEVEL_INDEPENDENT = "not fake_kernels"
 

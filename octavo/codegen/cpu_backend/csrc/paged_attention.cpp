@@ -530,6 +530,10 @@ TORCH_LIBRARY(octavo_cpu, m) {
       "linear_w4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, Tensor? bias, int group_size, "
       "bool bf16_gemm=False) -> Tensor");
   m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, bool bf16_gemm=False) -> Tensor");
+  m.def("pack_w8a8(Tensor qweight) -> Tensor");
+  m.def(
+      "linear_w8a8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features, int in_features) -> "
+      "Tensor");
   m.def("build_info() -> str", &octavo_cpu::build_info);
   m.def(
       "paged_attention_schedule(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, "
