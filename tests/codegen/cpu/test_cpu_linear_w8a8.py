@@ -7,9 +7,10 @@ float32 (fma) in K's order; then fma(acc, scale, bias) and one rounding to x's d
 and step with the same float32 operations (so they are the same bits) and every sum exactly in float64, so the
 kernel may differ only by its float32 additions of the groups and its final fma: with u = 2^-24 and G groups,
 |out - exact| <= (G + 1) * u * (|scale| * sum_g |step_g * dot_g| + |bias|) before the result's own rounding to x's
-dtype (its unit roundoff 2^-p: 2^-8 relative for bfloat16, 2^-11 for float16). The kernel's VNNI path and
-its portable loops (the AVX2 build: test_cpu_lower_isa_levels reruns this file under it) compute the same bits;
-both are held to that bound.
+dtype (its unit roundoff 2^-p: 2^-8 relative for bfloat16, 2^-11 for float16). Every path of the kernel computes
+the same bits and is held to that bound: this CPU's (vpdpbusd on AVX512_VNNI; the AVX2 build's vpmaddubsw, which
+test_cpu_lower_isa_levels reruns this file under) and the plain loops (OCTAVO_CPU_W8A8_KERNEL=portable), which must
+also give the same bits as this CPU's path.
 """
 
 from __future__ import annotations
@@ -66,14 +67,18 @@ SHAPES = [(1, 37, 100), (3, 13, 216), (5, 960, 576), (8, 96, 1538), (13, 50, 33)
 
 @pytest.mark.parametrize(("rows", "n", "k"), SHAPES, ids=lambda value: str(value))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_linear_w8a8_within_its_rounding(rows, n, k, dtype, cpu_kernels):
+def test_linear_w8a8_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkeypatch):
     qweight, scales = weight(n, k, rows * n + k)
     generator = torch.Generator().manual_seed(k)
     # Columns of very different sizes: each group's step must follow its own largest value.
     x = (torch.randn(rows, k, generator=generator) * torch.logspace(-2, 1, k)).to(dtype)
     bias = torch.randn(n, generator=generator) if rows % 2 else None
-    output = torch.ops.octavo_cpu.linear_w8a8(x, torch.ops.octavo_cpu.pack_w8a8(qweight), scales, bias, n, k)
+    packed = torch.ops.octavo_cpu.pack_w8a8(qweight)
+    monkeypatch.delenv("OCTAVO_CPU_W8A8_KERNEL", raising=False)
+    output = torch.ops.octavo_cpu.linear_w8a8(x, packed, scales, bias, n, k)
     assert_within_bound(output, x, qweight, scales, bias)
+    monkeypatch.setenv("OCTAVO_CPU_W8A8_KERNEL", "portable")
+    assert torch.equal(torch.ops.octavo_cpu.linear_w8a8(x, packed, scales, bias, n, k), output)
 
 
 def test_leading_dimensions_and_zero_rows(cpu_kernels):
@@ -113,7 +118,7 @@ def test_packed_layout_is_the_documented_one(cpu_kernels):
     assert torch.equal(packed.int().permute(0, 2, 1, 3).reshape(32, 128), expected)
 
 
-def test_bad_arguments_are_refused_by_name(cpu_kernels):
+def test_bad_arguments_are_refused_by_name(cpu_kernels, monkeypatch):
     qweight, scales = weight(16, 64, 1)
     packed = torch.ops.octavo_cpu.pack_w8a8(qweight)
     x = torch.randn(2, 64)
@@ -125,3 +130,6 @@ def test_bad_arguments_are_refused_by_name(cpu_kernels):
         torch.ops.octavo_cpu.linear_w8a8(x, packed, scales[:8], None, 16, 64)
     with pytest.raises(RuntimeError, match="2-d int8"):
         torch.ops.octavo_cpu.pack_w8a8(qweight.float())
+    monkeypatch.setenv("OCTAVO_CPU_W8A8_KERNEL", "fast")
+    with pytest.raises(RuntimeError, match="OCTAVO_CPU_W8A8_KERNEL must be portable"):
+        torch.ops.octavo_cpu.linear_w8a8(x, packed, scales, None, 16, 64)

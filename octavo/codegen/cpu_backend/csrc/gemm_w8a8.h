@@ -38,7 +38,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -151,7 +151,7 @@ QuantizedRows quantize_rows_int8(const T* x, int64_t M, int64_t K) {
   return rows;
 }
 
-// The definition as plain loops over the packed layout: CPUs without AVX512_VNNI and the AVX2 build.
+// The definition as plain loops over the packed layout: AVX-512 CPUs without AVX512_VNNI, and the default build.
 template <typename T>
 void gemm_w8a8_portable(const uint8_t* packed, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
                         const float* scales, const float* bias, T* out) {
@@ -298,6 +298,87 @@ void gemm_w8a8_vnni(const uint8_t* packed, int64_t N, int64_t K, const Quantized
           case 2: w8a8_tile_blocks<T, 2>(blocks, packed, N, K, x, m0, b0, scales, bias, out); break;
           case 3: w8a8_tile_blocks<T, 3>(blocks, packed, N, K, x, m0, b0, scales, bias, out); break;
           default: w8a8_tile_blocks<T, 4>(blocks, packed, N, K, x, m0, b0, scales, bias, out); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The AVX2 build (CPUs without AVX-512): vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums,
+// which would saturate on the packed weights (up to 255) times x (up to 127). So each weight byte goes back to q
+// (xor 128) and in as |q|, x's bytes taking q's sign (vpsignb): |q| * (+-x) = q * x, a pair's sum at most
+// 2 * 127 * 127 < 2^15, exact; vpmaddwd adds pairs into int32 lanes. The sums are then q * xq without the +128,
+// so a group's accumulators start at 0. A 16-row block's step is two 32-byte halves (rows 0-7, 8-15); tiles of
+// kW8a8Avx2TileRows rows of x against one block fit AVX2's 16 registers.
+constexpr int64_t kW8a8Avx2TileRows = 3;
+
+template <typename T, int MT>
+void w8a8_tile_avx2(const uint8_t* packed, int64_t N, int64_t K, const QuantizedRows& x, int64_t m0, int64_t b,
+                    const float* scales, const float* bias, T* out) {
+  const uint8_t* block = packed + b * w8a8_steps(K) * 4 * kW8a8BlockRows;
+  const int8_t* rows = x.q.data() + m0 * x.stride;
+  const int64_t stride = x.stride, groups = x.groups;
+  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 partial[MT][2];
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[MT][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int64_t s = g * kW8a8GroupSteps; s < (g + 1) * kW8a8GroupSteps; ++s) {
+      __m256i q[2], magnitude[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        q[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + s * 64 + h * 32)),
+                                top_bit);
+        magnitude[h] = _mm256_abs_epi8(q[h]);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        int32_t word;
+        std::memcpy(&word, rows + m * stride + 4 * s, sizeof(word));
+        const __m256i xv = _mm256_set1_epi32(word);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xv, q[h]));
+          acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+      const __m256 step = _mm256_set1_ps(x.steps[(m0 + m) * groups + g]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sum = g == 0 ? _mm256_setzero_ps() : partial[m][h];
+        partial[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), step, sum);
+      }
+    }
+  }
+  const int64_t n0 = b * kW8a8BlockRows, count = std::min(kW8a8BlockRows, N - n0);
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float sums[kW8a8BlockRows];
+    _mm256_store_ps(sums, partial[m][0]);
+    _mm256_store_ps(sums + 8, partial[m][1]);
+    for (int64_t i = 0; i < count; ++i) {
+      const float value = std::fma(sums[i], scales[n0 + i], bias ? bias[n0 + i] : 0.f);
+      out[(m0 + m) * N + n0 + i] = static_cast<T>(value);
+    }
+  }
+}
+
+template <typename T>
+void gemm_w8a8_avx2(const uint8_t* packed, int64_t N, int64_t K, const QuantizedRows& x, int64_t M,
+                    const float* scales, const float* bias, T* out) {
+  at::parallel_for(0, w8a8_blocks(N), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += kW8a8Avx2TileRows) {
+        switch (std::min(kW8a8Avx2TileRows, M - m0)) {
+          case 1: w8a8_tile_avx2<T, 1>(packed, N, K, x, m0, b, scales, bias, out); break;
+          case 2: w8a8_tile_avx2<T, 2>(packed, N, K, x, m0, b, scales, bias, out); break;
+          default: w8a8_tile_avx2<T, 3>(packed, N, K, x, m0, b, scales, bias, out); break;
         }
       }
     }

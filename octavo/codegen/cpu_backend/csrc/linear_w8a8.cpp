@@ -4,7 +4,9 @@
 //
 // x is float32, bfloat16 or float16 [..., K]; the result has x's dtype. On CPUs with AVX512_VNNI (AVX-512 build)
 // the sums run through vpdpbusd, 4 columns of 16 output rows per instruction: twice the multiplies per instruction
-// of vdpbf16ps, from one byte per weight. Elsewhere the same definition runs as plain loops (the same bits).
+// of vdpbf16ps, from one byte per weight; in the AVX2 build through vpmaddubsw on |q| and x signed by q; on AVX-512
+// CPUs without AVX512_VNNI and in the default build as plain loops (OCTAVO_CPU_W8A8_KERNEL=portable takes them on
+// every CPU, for comparisons and tests). Every path computes the same bits.
 #include "gemm_w8a8.h"
 
 #include <ATen/core/Tensor.h>
@@ -12,7 +14,9 @@
 #include <ATen/ops/full.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace octavo_cpu {
@@ -39,14 +43,27 @@ at::Tensor pack_w8a8(const at::Tensor& qweight) {
   return packed;
 }
 
+// Whether OCTAVO_CPU_W8A8_KERNEL asks for the plain loops ("portable": for comparisons and tests) instead of this
+// CPU's vector kernel; read at every call, a bad value refused by name.
+bool portable_w8a8_asked() {
+  const char* env = std::getenv("OCTAVO_CPU_W8A8_KERNEL");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "portable", "OCTAVO_CPU_W8A8_KERNEL must be portable (or unset), got ",
+              choice);
+  return choice == "portable";
+}
+
 template <typename T>
 void run_w8a8(const at::Tensor& packed, int64_t N, int64_t K, const at::Tensor& x, const float* scales,
               const float* bias, at::Tensor& out) {
   const int64_t M = x.size(0);
   const QuantizedRows rows = quantize_rows_int8(x.const_data_ptr<T>(), M, K);
   const uint8_t* weights = packed.const_data_ptr<uint8_t>();
+  const bool portable = portable_w8a8_asked();
 #if defined(CPU_CAPABILITY_AVX512)
-  if (w8a8_vnni_usable()) return gemm_w8a8_vnni(weights, N, K, rows, M, scales, bias, out.data_ptr<T>());
+  if (!portable && w8a8_vnni_usable()) return gemm_w8a8_vnni(weights, N, K, rows, M, scales, bias, out.data_ptr<T>());
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (!portable) return gemm_w8a8_avx2(weights, N, K, rows, M, scales, bias, out.data_ptr<T>());
 #endif
   gemm_w8a8_portable(weights, N, K, rows, M, scales, bias, out.data_ptr<T>());
 }
