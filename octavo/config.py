@@ -85,8 +85,8 @@ class CompileConfig:
         if self.gptq_act_order and self.quant not in ("w4-gptq", "w4-awq-gptq"):
             raise OctavoError(f"--gptq-act-order applies to --quant w4-gptq or w4-awq-gptq, not {self.quant}")
         if self.quant == "w8a8" and self.group_size is not None:
-            raise OctavoError("--quant w8a8 takes one scale per output channel (its int8 x int8 sums run over whole "
-                              "rows): drop --group-size")
+            raise OctavoError("--quant w8a8 takes one scale per output channel (its kernels scale a row's int8 x "
+                              "int8 sums once, after the activations' own steps): drop --group-size")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise OctavoError(f"group_size must be an even number >= 2, got {self.group_size}")
         self.lora_adapters, self.lora_targets = tuple(self.lora_adapters), tuple(self.lora_targets)

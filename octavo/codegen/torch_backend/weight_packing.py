@@ -32,12 +32,12 @@ GEMM, which runs in bfloat16 (``bf16_gemm``) where the CPU has native bfloat16, 
 the vocabulary projection, for the reason above: reported as "native (bfloat16)", else
 "native (float32)".
 
-A w8a8 artifact (``int8_activations``) rounds each row of its linears' inputs to int8 at run time:
-every w8 linear with one scale per output channel, except the one that produces the logits (for the
-reason above) and those of 65536 or more input features (the int32 sums' range), becomes the backend's
-own ``w8a8`` kernel over weights packed for it by its ``w8a8_pack`` op (the cpu backend's
-octavo_cpu::linear_w8a8, vpdpbusd on AVX512_VNNI CPUs), else ``octavo_torch::linear_w8a8``
-(torch._int_mm); reported as "w8a8 (int8)". The other linears take the choice above.
+A w8a8 artifact (``int8_activations``) rounds its linears' inputs to int8 at run time, in groups of
+64 columns of a row: every w8 linear with one scale per output channel, except the one that produces
+the logits (for the reason above), becomes the backend's own ``w8a8`` kernel over weights packed for
+it by its ``w8a8_pack`` op (the cpu backend's octavo_cpu::linear_w8a8: vpdpbusd on AVX512_VNNI CPUs,
+vpmaddubsw in the AVX2 build), else ``octavo_torch::linear_w8a8`` (the same definition in torch ops);
+reported as "w8a8 (int8)". The other linears take the choice above.
 
 ``OCTAVO_CPU_QUANT_KERNEL=dequantized`` forces the dequantized kernel everywhere (for
 comparisons). The choice is logged, and returned so the executor can report it.
@@ -92,17 +92,12 @@ class CpuFeatures:
         return f"{'avx512' if self.avx512 else 'no avx512'}, {'native' if self.native_bf16 else 'no native'} bf16"
 
 
-W8A8_MAX_IN_FEATURES = 65536
-"""w8a8's int32 sums hold K * 255 * 127 below 2^31 (the cpu kernel's unsigned weight bytes) for fewer features."""
-
-
 def choose_kernel(layout: str, group_size: int, in_features: int, activation_dtype: torch.dtype,
                   features: CpuFeatures, produces_logits: bool = False,
                   native_layouts: Collection[str] = (), int8_activations: bool = False) -> tuple[str, torch.dtype]:
     """(kernel, compute dtype) for one quantized linear; see the module docstring."""
     forced = os.environ.get(FORCE_KERNEL_ENV)
-    if (int8_activations and layout == "w8" and group_size >= in_features and not produces_logits
-            and in_features < W8A8_MAX_IN_FEATURES):
+    if int8_activations and layout == "w8" and group_size >= in_features and not produces_logits:
         return "w8a8", torch.int8
     bf16_compute = activation_dtype == torch.bfloat16 or (
         activation_dtype == torch.float32 and features.native_bf16 and not produces_logits)
