@@ -28,7 +28,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--stop-after", metavar="PASS", help="stop the pipeline after this pass (no artifact)")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--quant", choices=QUANT_SCHEMES, default="none",
-                        help="weight quantization: w8 (int8 per channel), w4 (4-bit groups, RTN), fp8 (e4m3 per "
+                        help="weight quantization: w8 (int8 per channel), w8a8 (w8, and each linear's input "
+                             "rounded to int8 at run time in groups of 64), w4 (4-bit groups, RTN), fp8 (e4m3 per "
                              "channel); w4-awq / w4-gptq calibrate; w4-awq-gptq: AWQ's scales, then GPTQ on the "
                              "scaled weights (default: none)")
     parser.add_argument("--group-size", type=int, default=None, help="w4/w8 group size along K (default: scheme's)")
