@@ -121,7 +121,7 @@ def test_weights_on_disk(artifacts):
 
 NEAR_TIE_NATS = 0.1
 """Where the CPU has native bf16, the quantized kernels round activations to bf16 (relative error
-2^-9 per element); through 30 layers that moves a logit by a few hundredths of a nat (0.05 measured
+2^-8 per element); through 30 layers that moves a logit by a few hundredths of a nat (0.05 measured
 on the first answer token below), so two tokens whose log-probabilities are closer than 0.1 nat may
 trade places. Such a flip is rounding, not an incoherent model."""
 

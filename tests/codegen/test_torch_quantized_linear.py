@@ -10,8 +10,8 @@ Tolerances follow from the arithmetic of each kernel, as multiples of S = sum_k 
   output) where the reference rounds each dequantized weight (one more of each term): 2 u S more.
 - bfloat16 (the packed kernels, and dequantized weights in bfloat16): the activation, the scale
   and the zero point (or the dequantized weight) are each rounded once to bfloat16 (relative
-  error <= 2^-9 each), and so is the result (and a bfloat16 reference's own result): at most four
-  such roundings, 4 * 2^-9 = 2^-7 of S, plus the float32 accumulation's 2 gamma_K S.
+  error <= 2^-8 each: 8 significant bits), and so is the result (and a bfloat16 reference's own result): at
+  most four such roundings, 4 * 2^-8 = 2^-6 of S, plus the float32 accumulation's 2 gamma_K S.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _gamma(columns: int) -> float:
 
 
 def _bf16_bound(x: torch.Tensor, weight_magnitude: torch.Tensor) -> torch.Tensor:
-    return (2**-7 + 2 * _gamma(x.shape[-1])) * (x.abs().float() @ weight_magnitude.float().T)
+    return (2**-6 + 2 * _gamma(x.shape[-1])) * (x.abs().float() @ weight_magnitude.float().T)
 
 
 def _f32_bound(x: torch.Tensor, weight_magnitude: torch.Tensor, extra_roundings: int = 0) -> torch.Tensor:

@@ -16,9 +16,9 @@ of the exact one (gamma_n = n u / (1 - n u)); the order of the sum does not matt
 
 A result rounded to bfloat16 / float16 (x of that dtype) adds one rounding of the output: half a unit in its
 last place, 2^-8 / 2^-11 relative. With bf16_gemm (rows above the GEMV's 8), x and the weight are each rounded
-to bfloat16 (unit roundoff v = 2^-9, rounding to nearest) before the float32 sum, so each product is within
-(1 + v)^2 - 1 of its exact value, and oneDNN's bfloat16 result rounds once more (the AMX kernel's float32 sum
-does not): the bound grows by those terms.
+to bfloat16 (unit roundoff v = 2^-8, rounding to nearest: 8 significant bits) before the float32 sum, so each
+product is within (1 + v)^2 - 1 of its exact value, and oneDNN's bfloat16 result rounds once more (the AMX
+kernel's float32 sum does not): the bound grows by those terms.
 
 w8 weights with one scale per row, above 8 rows with bf16_gemm, run on AMX-INT8 where the CPU has it: each row of x
 is rounded to integers on its own step s = max |x_row| / 32767, which moves each x_k by at most
@@ -78,7 +78,7 @@ def assert_within_rounding(output: torch.Tensor, x: torch.Tensor, weight: torch.
     gamma = roundings * unit / (1 - roundings * unit)
     magnitude = flat.abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
     if bf16_gemm:
-        narrowing = 2.0 ** -9
+        narrowing = 2.0 ** -8
         gamma = (1 + narrowing) ** 2 - 1 + gamma * (1 + narrowing) ** 2
         bound = gamma * magnitude + narrowing * (exact.abs() + gamma * magnitude)
         bound = bound + OUTPUT_UNIT[x.dtype] * (exact.abs() + bound) + 1e-30

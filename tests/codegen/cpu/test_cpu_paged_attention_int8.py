@@ -29,7 +29,7 @@ SHAPES = {
     "block-larger-than-chunk": (6, 2, 64, 128, -1, 0.0),
     "soft-cap": (6, 2, 64, 16, -1, 1.5),
 }
-UNIT_ROUNDOFF_BF16 = 2.0 ** -8  # the output's rounding to bfloat16 (2^-9) with room for float32 arithmetic
+UNIT_ROUNDOFF_BF16 = 2.0 ** -8  # the output's rounding to bfloat16 (unit roundoff 2^-8)
 INT16_STEPS = 32767.0
 
 

@@ -9,7 +9,7 @@
 // over K exactly in int32 (|sums| < 2^31 for K below 2^16). Then in float32: out = (256 * float(sum_high) +
 // float(sum_low)) * (step * scale) + bias, each operation rounded once, and rounded to out's dtype once.
 // Against the definition the error is at most scale * step / 2 * sum over k of |q| (x's rounding, 2^-16 of the
-// row's largest value per term: below bfloat16's 2^-9 relative rounding of every value but those 128 times smaller
+// row's largest value per term: below bfloat16's 2^-8 relative rounding of every value but those 256 times smaller
 // than the row's largest) plus a few float32 roundings of the result.
 #pragma once
 

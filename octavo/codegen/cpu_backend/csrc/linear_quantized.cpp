@@ -34,7 +34,7 @@
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
 //
 // bf16_gemm (default false) lets that GEMM run in bfloat16: x and the dequantized weights rounded to bfloat16
-// (relative error 2^-9 each), products summed in float32 (AMX tiles, vdpbf16ps or oneDNN), the bias added in
+// (relative error 2^-8 each), products summed in float32 (AMX tiles, vdpbf16ps or oneDNN), the bias added in
 // float32; oneDNN's result is rounded to bfloat16 once more and widened, the AMX and vdpbf16ps ones stay float32
 // (per-row int8 weights on AMX-INT8 CPUs take the integer GEMM instead). Only the rows above kGemvRows are
 // affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs or 4-bit weights in groups of

@@ -131,7 +131,7 @@ __attribute__((target("avx512bf16"))) void score_keys_dot_bf16(const uint16_t* q
 
 // weighted_values for bfloat16 rows of NP * 32 values by dpbf16 on pairs of keys (the weights of a bf16 model's
 // queries, on CPUs with AVX512_BF16): out[q][d] = sum over pairs (j, j + 1) of bf16(w_q[j]) v_j[d] +
-// bf16(w_q[j + 1]) v_{j+1}[d], the weights rounded to bfloat16 (nearest even: a relative error of at most 2^-9
+// bf16(w_q[j + 1]) v_{j+1}[d], the weights rounded to bfloat16 (nearest even: a relative error of at most 2^-8
 // each, as the bf16 prefill kernel rounds them), each product exact in float32, sums in float32 in pair order; an
 // odd last key pairs with a zero row and weight. Each pair's rows are interleaved once (VNNI words) for all NQ
 // queries. `pairs` is scratch for the weights as bf16 pairs.

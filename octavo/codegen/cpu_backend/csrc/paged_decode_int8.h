@@ -8,8 +8,8 @@
 //   round_half_even(w_j / sw) with sw = max_j w_j / 32767; out[d] = float(sum_j w16_j * v_j[d]) * sw, the sum
 //   exact in int32 (up to kInt8ValueRowsMax rows). Rows j and j + 1 are interleaved byte-wise once per pair for
 //   all the queries.
-// The rounding of q and w is an error of at most 2^-16 of the largest |q| or w: 128 times below the bfloat16
-// rounding of these queries' model everywhere else (2^-9), and below that of the weights in the bfloat16 cache's
+// The rounding of q and w is an error of at most 2^-16 of the largest |q| or w: 256 times below the bfloat16
+// rounding of these queries' model everywhere else (2^-8 relative), and below that of the weights in the bfloat16 cache's
 // dpbf16 path. A float32 model's queries keep the exact widening path.
 #pragma once
 
