@@ -124,8 +124,7 @@ __attribute__((target("avx512f,avx512bw"))) float quantize_group_int8_avx512(con
 #endif
 
 template <typename T>
-QuantizedRows quantize_rows_int8(const T* x, int64_t M, int64_t K) {
-  QuantizedRows rows;
+void quantize_rows_int8(const T* x, int64_t M, int64_t K, QuantizedRows& rows) {
   rows.stride = 4 * w8a8_steps(K);
   rows.groups = w8a8_groups(K);
   rows.q.assign(M * rows.stride, 0);
@@ -148,7 +147,6 @@ QuantizedRows quantize_rows_int8(const T* x, int64_t M, int64_t K) {
       }
     }
   });
-  return rows;
 }
 
 // The definition as plain loops over the packed layout: AVX-512 CPUs without AVX512_VNNI, and the default build.

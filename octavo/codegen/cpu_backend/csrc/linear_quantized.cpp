@@ -270,6 +270,37 @@ bool integer_gemv_usable(const W& w) {
 }
 #endif
 
+// The float32 GEMV (gemv_for) on rows [M, K] of any float dtype, the result in rows' dtype: a 16-bit x is widened
+// and the float32 result rounded to its dtype (nearest even) in per-thread buffers, by at::vec::convert, which
+// gives the bits of ATen's .to() without its two tensor copies a call (at one row, most of a small linear's time).
+template <typename W>
+at::Tensor float_gemv(const W& w, const at::Tensor& rows, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows.contiguous();
+  const int64_t M = x.size(0), N = w.N, K = w.K;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* bias_data = bias ? bias->const_data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    gemv_for(M, w, x.const_data_ptr<float>(), bias_data, out.data_ptr<float>());
+    return out;
+  }
+  thread_local std::vector<float> wide_x, wide_out;
+  wide_x.resize(M * K);
+  wide_out.resize(M * N);
+  if (x.scalar_type() == at::kBFloat16) {
+    at::vec::convert(x.const_data_ptr<c10::BFloat16>(), wide_x.data(), M * K);
+  } else {
+    at::vec::convert(x.const_data_ptr<c10::Half>(), wide_x.data(), M * K);
+  }
+  gemv_for(M, w, wide_x.data(), bias_data, wide_out.data());
+  if (x.scalar_type() == at::kBFloat16) {
+    at::vec::convert(wide_out.data(), out.data_ptr<c10::BFloat16>(), M * N);
+  } else {
+    at::vec::convert(wide_out.data(), out.data_ptr<c10::Half>(), M * N);
+  }
+  return out;
+}
+
 // x @ W.T (+ bias) for x [..., K] of any float dtype: checks x and bias, computes in float32 (the AMX GEMM from x's
 // own dtype where bf16_gemm chose it), shapes the result.
 template <typename W>
@@ -307,16 +338,10 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
   if (std::is_same_v<W, Int8Weight> && M <= kGemvRows && bf16_gemm) float_gemv_asked("OCTAVO_CPU_W8_GEMV");
   if (std::is_same_v<W, Int4Weight> && M <= kGemvRows && bf16_gemm) float_gemv_asked("OCTAVO_CPU_W4_GEMV");
 #endif
+  if (M <= kGemvRows) return float_gemv(w, rows, b).view(shape);
   const at::Tensor x = rows.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0) {
-    const float* bias_data = b ? b->const_data_ptr<float>() : nullptr;
-    if (M <= kGemvRows) {
-      gemv_for(M, w, x.const_data_ptr<float>(), bias_data, out.data_ptr<float>());
-    } else {
-      tiled_gemm(w, x, b, out, bf16_gemm);
-    }
-  }
+  if (M > 0 && N > 0) tiled_gemm(w, x, b, out, bf16_gemm);
   return out.to(input.scalar_type()).view(shape);
 }
 

@@ -53,11 +53,24 @@ bool portable_w8a8_asked() {
   return choice == "portable";
 }
 
+constexpr size_t kKeptRowBytes = size_t{1} << 20;
+
+// Frees a QuantizedRows' buffers as it leaves scope where they outgrew kKeptRowBytes.
+struct ReleaseLargeRows {
+  QuantizedRows& rows;
+  ~ReleaseLargeRows() {
+    if (rows.q.capacity() > kKeptRowBytes) rows = QuantizedRows{};
+  }
+};
+
 template <typename T>
-void run_w8a8(const at::Tensor& packed, int64_t N, int64_t K, const at::Tensor& x, const float* scales,
+void run_w8a8(const at::Tensor& packed, int64_t N, int64_t K, const at::Tensor& x, int64_t M, const float* scales,
               const float* bias, at::Tensor& out) {
-  const int64_t M = x.size(0);
-  const QuantizedRows rows = quantize_rows_int8(x.const_data_ptr<T>(), M, K);
+  // The caller's thread keeps its rows' buffers from call to call (up to kKeptRowBytes: a long prompt's are freed):
+  // a decode step's linears quantize one row each, and three allocations a call were a visible share of that.
+  thread_local QuantizedRows rows;
+  quantize_rows_int8(x.const_data_ptr<T>(), M, K, rows);
+  const ReleaseLargeRows release{rows};
   const uint8_t* weights = packed.const_data_ptr<uint8_t>();
   const bool portable = portable_w8a8_asked();
 #if defined(CPU_CAPABILITY_AVX512)
@@ -92,19 +105,22 @@ at::Tensor linear_w8a8(const at::Tensor& input, const at::Tensor& packed, const 
                 "tensor [", N, "], got ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  // Rows of x and scales read through their data as contiguous [M, K] and [N] (no reshape: its dispatch cost as
+  // much as a one-row call's quantizing).
+  const at::Tensor x = input.is_contiguous() ? input : input.contiguous();
+  const at::Tensor s = scales.is_contiguous() ? scales : scales.contiguous();
+  const int64_t M = x.numel() / K;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
-  at::Tensor out = at::empty({x.size(0), N}, input.options());
-  if (x.size(0) == 0) return out.view(shape);
-  const at::Tensor s = scales.reshape({N}).contiguous();
+  at::Tensor out = at::empty(shape, input.options());
+  if (M == 0) return out;
   const float* bias_data = b ? b->const_data_ptr<float>() : nullptr;
   switch (type) {
-    case at::kBFloat16: run_w8a8<c10::BFloat16>(packed, N, K, x, s.const_data_ptr<float>(), bias_data, out); break;
-    case at::kHalf: run_w8a8<c10::Half>(packed, N, K, x, s.const_data_ptr<float>(), bias_data, out); break;
-    default: run_w8a8<float>(packed, N, K, x, s.const_data_ptr<float>(), bias_data, out); break;
+    case at::kBFloat16: run_w8a8<c10::BFloat16>(packed, N, K, x, M, s.const_data_ptr<float>(), bias_data, out); break;
+    case at::kHalf: run_w8a8<c10::Half>(packed, N, K, x, M, s.const_data_ptr<float>(), bias_data, out); break;
+    default: run_w8a8<float>(packed, N, K, x, M, s.const_data_ptr<float>(), bias_data, out); break;
   }
-  return out.view(shape);
+  return out;
 }
 
 }  // namespace

@@ -320,6 +320,12 @@ void check_tables(const int32_t* seq_lens, const int32_t* starts, const int32_t*
   }
 }
 
+// t as a contiguous tensor of `type`: t itself where it already is one (without a dispatcher call: a decode
+// step's index tensors are, and four .to().contiguous() a layer were a measurable share of a small model's step).
+at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType type) {
+  return t.scalar_type() == type && t.is_contiguous() ? t : t.to(type).contiguous();
+}
+
 template <typename F>
 void dispatch_cache_type(at::ScalarType type, const F& body) {
   switch (type) {
@@ -400,10 +406,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                   key_cache.size(3) == head_dim && value_cache.size(3) == value_dim,
               "paged_attention: caches ", key_cache.sizes(), " / ", value_cache.sizes(), " do not fit key ",
               key.sizes(), " / value ", value.sizes());
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
-  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
-  const at::Tensor starts = query_start_loc_in.to(at::kInt).contiguous();
+  const at::Tensor slots = contiguous_as(slot_mapping_in, at::kLong);
+  const at::Tensor tables = contiguous_as(block_tables_in, at::kInt);
+  const at::Tensor seq_lens = contiguous_as(seq_lens_in, at::kInt);
+  const at::Tensor starts = contiguous_as(query_start_loc_in, at::kInt);
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == num_tokens, "paged_attention: slot_mapping must be [", num_tokens,
               "], got ", slots.sizes());
   TORCH_CHECK(tables.dim() == 2 && seq_lens.dim() == 1 && tables.size(0) == seq_lens.size(0) &&
@@ -425,7 +431,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     using CT = decltype(tag);
     for (auto [rows, pool] : {std::pair{&key, &keys}, std::pair{&value, &values}}) {
       const bool same_type = !quantized && rows->scalar_type() == key_cache.scalar_type();
-      const at::Tensor source = (same_type ? *rows : rows->to(at::kFloat)).contiguous();
+      // write_pool reads rows through their token and head strides (a decode step's K and V are views into the
+      // fused qkv projection's output): only the last dim must be contiguous.
+      const at::Tensor source = same_type ? (rows->stride(2) == 1 ? *rows : rows->contiguous())
+                                          : rows->to(at::kFloat).contiguous();
       write_pool<CT>(source, *pool, slot_data, block_size, same_type);
     }
   });

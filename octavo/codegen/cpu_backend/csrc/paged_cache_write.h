@@ -32,7 +32,8 @@ inline float quantize_row(const float* src, int64_t n, CT* dst) {
   return scale;
 }
 
-// rows [T, Hkv, dim] -> pool slots `slots` (negative slots skipped); rows are float unless `same_type`.
+// rows [T, Hkv, dim] (any token and head strides, the last dim contiguous) -> pool slots `slots` (negative slots
+// skipped); rows are float unless `same_type`.
 template <typename CT>
 inline void write_pool(const at::Tensor& rows, const Pool& pool, const int64_t* slots, int64_t block_size, bool same_type) {
   const int64_t num_tokens = rows.size(0), num_heads = rows.size(1), dim = rows.size(2);
