@@ -95,6 +95,29 @@ def test_leading_dimensions_and_zero_rows(cpu_kernels):
     assert_within_bound(output.reshape(6, n), x.reshape(6, k), qweight, scales, bias)
 
 
+def test_results_do_not_depend_on_earlier_calls_or_the_layout_of_x(cpu_kernels):
+    """The calling thread reuses its quantized rows' buffers (and frees them past 1 MiB): a one-row call gives the
+    same bits before and after calls of other shapes, one of more than 1 MiB of int8 rows among them; and x read
+    through a strided view gives the bits of its contiguous copy."""
+    ops = torch.ops.octavo_cpu
+    generator = torch.Generator().manual_seed(17)
+    small_q, small_scales = weight(24, 100, 1)
+    small_packed = ops.pack_w8a8(small_q)
+    row = torch.randn(1, 100, generator=generator).to(torch.bfloat16)
+    first = ops.linear_w8a8(row, small_packed, small_scales, None, 24, 100)
+    large_q, large_scales = weight(16, 1000, 2)
+    large_x = torch.randn(1100, 1000, generator=generator)  # 1100 rows x 1024 padded columns of int8 > 1 MiB
+    large = ops.linear_w8a8(large_x, ops.pack_w8a8(large_q), large_scales, None, 16, 1000)
+    assert_within_bound(large, large_x, large_q, large_scales, None)
+    wide_q, wide_scales = weight(8, 300, 3)
+    ops.linear_w8a8(torch.randn(3, 300, generator=generator), ops.pack_w8a8(wide_q), wide_scales, None, 8, 300)
+    assert torch.equal(ops.linear_w8a8(row, small_packed, small_scales, None, 24, 100), first)
+    strided = torch.randn(100, 5, generator=generator).to(torch.bfloat16).t()
+    assert not strided.is_contiguous()
+    assert torch.equal(ops.linear_w8a8(strided, small_packed, small_scales, None, 24, 100),
+                       ops.linear_w8a8(strided.contiguous(), small_packed, small_scales, None, 24, 100))
+
+
 def test_close_to_the_float_linear_within_the_activation_rounding(cpu_kernels):
     """Against x @ (q * scale).T in float64: each x moves by at most step / 2 = max|x in its group| / 254."""
     n, k = 64, 576
