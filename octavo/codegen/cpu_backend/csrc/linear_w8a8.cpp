@@ -107,8 +107,8 @@ at::Tensor linear_w8a8(const at::Tensor& input, const at::Tensor& packed, const 
   }
   // Rows of x and scales read through their data as contiguous [M, K] and [N] (no reshape: its dispatch cost as
   // much as a one-row call's quantizing).
-  const at::Tensor x = input.is_contiguous() ? input : input.contiguous();
-  const at::Tensor s = scales.is_contiguous() ? scales : scales.contiguous();
+  const at::Tensor x = input.contiguous();  // contiguous() of a contiguous tensor is the tensor, no dispatch
+  const at::Tensor s = scales.contiguous();
   const int64_t M = x.numel() / K;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
