@@ -11,13 +11,27 @@ context makes the first output token's leading space right.
 
 Invariant: the concatenated deltas equal ``tokenizer.decode(output_ids, skip_special_tokens=...)``
 whenever that decode does not end with U+FFFD (a trailing incomplete character is held back).
+
+Fast tokenizers whose ``decode`` is their Rust backend's alone (no clean-up of spaces) run the same
+algorithm in Rust, through ``tokenizers.decoders.DecodeStream``: one call per token instead of two
+Python decodes of the window (0.6 against 5.2 us a token on SmolLM2's tokenizer). Its state after
+the prompt context is the one above (window from the context's start, read offset at its end), and
+it moves its offsets exactly when the Python algorithm does. It refuses a window whose new decode
+does not begin with the text already emitted (some invalid byte sequences); from that token on the
+sequence takes the Python decodes, from the offsets tracked beside the stream.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from typing import Any
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -49,6 +63,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._output_text_parts: list[str] = []
+        self._backend = streaming_backend(tokenizer)
+        self._stream = None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            if context:
+                # One step over the whole context: its text counts as emitted, and the window starts
+                # at its first token, as the offsets above say.
+                try:
+                    self._stream.step(self._backend, context)
+                except Exception:  # refused: the Python decodes from the start
+                    self._stream = None
 
     def _prompt_context(self, prompt_tail: list[int]) -> list[int]:
         """The prompt tail used as context, or none when it ends inside a UTF-8 character.
@@ -69,7 +94,32 @@ class IncrementalDetokenizer:
         """Add generated token ids; return the text they complete (possibly empty)."""
         if not token_ids:
             return ""
+        if self._stream is not None:
+            return self._append_streamed([int(token_id) for token_id in token_ids])
         self._token_ids.extend(int(token_id) for token_id in token_ids)
+        return self._append_decoded()
+
+    def _append_streamed(self, token_ids: list[int]) -> str:
+        """append() through DecodeStream, one token at a time; the Python decodes once it refuses one."""
+        pieces = []
+        for index, token_id in enumerate(token_ids):
+            self._token_ids.append(token_id)
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # the stream refused the window (its InvalidPrefix error): decode in Python
+                self._stream = None
+                self._token_ids.extend(token_ids[index + 1:])
+                pieces.append(self._append_decoded())
+                break
+            if piece is not None:
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._token_ids)
+                self._output_text_parts.append(piece)
+                pieces.append(piece)
+        return "".join(pieces)
+
+    def _append_decoded(self) -> str:
+        """The text the tokens since the read offset complete, by decoding the window in Python."""
         emitted_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(window_text) <= len(emitted_text) or window_text.endswith(REPLACEMENT_CHARACTER):
@@ -84,6 +134,7 @@ class IncrementalDetokenizer:
         """An independent detokenizer in the same state (for a forked sequence)."""
         twin = copy.copy(self)
         twin._token_ids = list(self._token_ids)
+        twin._stream = copy.deepcopy(self._stream) if self._stream is not None else None
         twin._output_text_parts = list(self._output_text_parts)
         return twin
 
@@ -93,3 +144,30 @@ class IncrementalDetokenizer:
         if len(self._output_text_parts) > 1:
             self._output_text_parts = ["".join(self._output_text_parts)]
         return self._output_text_parts[0] if self._output_text_parts else ""
+
+
+def streaming_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer that DecodeStream can decode `tokenizer`'s ids with, or None.
+
+    Only where transformers' ``decode`` returns the backend's text unchanged: a fast tokenizer that
+    does not clean up spaces, and a tokenizers release whose DecodeStream takes a list of ids.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or not getattr(tokenizer, "is_fast", False)
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False) or not _stream_takes_lists()):
+        return None
+    return backend
+
+
+@functools.cache
+def _stream_takes_lists() -> bool:
+    """Whether this tokenizers release has a DecodeStream whose step takes a list of ids (0.22 and later)."""
+    if DecodeStream is None:
+        return False
+    from tokenizers import Tokenizer, models
+
+    probe = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    try:
+        return DecodeStream(skip_special_tokens=True).step(probe, [0, 0]) == probe.decode([0, 0])
+    except TypeError:
+        return False

@@ -49,7 +49,7 @@ class OutputProcessor:
             banned = self._banned(sequences, row_ids, step_mask, logits.device)
             if row_ids != list(range(logits.shape[0])):  # forks share a row; prompt-logprob rows follow
                 logits = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
-            sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+            sampling_rows = [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_view, seq.generator)
                              for seq in sequences]
             # Logprobs (a full-vocabulary log_softmax per row) only for the rows whose request shows them.
             logprob_rows = [index for index, seq in enumerate(sequences) if seq.params.logprobs is not None]
@@ -80,7 +80,7 @@ class OutputProcessor:
             # Only a row whose mask allowed nothing samples a refused token: the grammar reached a state that no
             # token of this vocabulary continues. That sequence ends here; the rest of the batch goes on.
             logger.warning("sequence %s: its grammar allows no token of this vocabulary after %d tokens; aborted",
-                           seq.seq_id, len(seq.output_token_ids))
+                           seq.seq_id, seq.num_output_tokens)
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             seq.finish_time = time.monotonic()
             return True
@@ -95,7 +95,7 @@ class OutputProcessor:
         return seq.is_finished
 
     def _check_stop(self, seq: Sequence, new_text_len: int) -> None:
-        decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_ids, seq.output_text,
+        decision = check_stop(seq.params, self.eos_token_ids, seq.output_token_view, seq.output_text,
                               new_text_len, seq.num_tokens, self.max_model_len)
         if not decision.finished:
             if seq.grammar is not None and seq.grammar.is_terminated:

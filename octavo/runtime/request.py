@@ -59,17 +59,17 @@ class Request:
             visible = max(self._sent_text.get(seq.index, 0), visible - held_back_length(self.params))
         sent_text = self._sent_text.get(seq.index, 0)
         sent_tokens = self._sent_tokens.get(seq.index, 0)
-        output_ids = seq.output_token_ids
+        output_ids = seq.output_token_ids  # a fresh list: the output owns it
         self._sent_text[seq.index] = visible
         self._sent_tokens[seq.index] = len(output_ids)
         return CompletionOutput(
             index=seq.index,
             text=seq.output_text[:visible],
-            token_ids=list(output_ids),
+            token_ids=output_ids,
             cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             delta_text=seq.output_text[sent_text:visible],
-            delta_token_ids=list(output_ids[sent_tokens:]),
+            delta_token_ids=output_ids[sent_tokens:],
         )

@@ -51,7 +51,7 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: Sequence[int]  # read only (the live output of the sequence)
     generator: torch.Generator | None  # set when params.seed is not None; kept by the engine per request
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -14,6 +16,32 @@ from octavo.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from octavo.runtime.structured.matcher import GrammarState
+
+
+class OutputTokenIds(collections.abc.Sequence):
+    """The output part of a token list (the ids from `start` on), read in place: the per-token stop checks
+    and the sampler's rows take it every step, and a slice copied the whole output each time."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[self._start:][index]
+        length = len(self)
+        position = index + length if index < 0 else index
+        if not 0 <= position < length:
+            raise IndexError(f"output token index {index} out of range for {length} tokens")
+        return self._tokens[self._start + position]
+
+    def __iter__(self):
+        return itertools.islice(self._tokens, self._start, None)
 
 
 class SequenceStatus(enum.Enum):
@@ -87,6 +115,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def output_token_view(self) -> OutputTokenIds:
+        """output_token_ids without the copy (it follows the tokens appended later)."""
+        return OutputTokenIds(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:

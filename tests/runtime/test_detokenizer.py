@@ -5,15 +5,17 @@ Invariant: whatever way the output ids are split into ``append`` calls, the delt
 (otherwise to a prefix of it: the incomplete character is held back).
 """
 
+import copy
 import importlib.util
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from octavo.runtime.detokenizer import IncrementalDetokenizer
+from octavo.runtime.detokenizer import IncrementalDetokenizer, streaming_backend
 
 REPLACEMENT = "\ufffd"
 VOCAB_SIZE = 49152
@@ -148,3 +150,59 @@ def test_empty_append_returns_nothing(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer, [])
     assert detokenizer.append([]) == ""
     assert detokenizer.output_text == ""
+
+
+def windowed_twin(tokenizer):
+    """The same tokenizer, but with clean-up of spaces asked for: its detokenizers take the Python decodes
+    (clean-up changes nothing in the texts below: it only removes spaces before punctuation)."""
+    twin = copy.deepcopy(tokenizer)
+    twin.clean_up_tokenization_spaces = True
+    return twin
+
+
+def test_the_bundled_tokenizer_streams_through_its_rust_backend(tokenizer):
+    assert streaming_backend(tokenizer) is tokenizer.backend_tokenizer
+    assert streaming_backend(windowed_twin(tokenizer)) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt_ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=8),
+    output_ids=st.lists(
+        st.one_of(st.integers(0, VOCAB_SIZE - 1), st.sampled_from(SPECIAL_IDS), st.integers(0, 255)),
+        min_size=1, max_size=40,
+    ),
+    skip_special_tokens=st.booleans(),
+)
+def test_streamed_deltas_equal_the_windowed_decodes_token_by_token(tokenizer, prompt_ids, output_ids,
+                                                                   skip_special_tokens):
+    # One token per call, as a decode step appends them: the same delta at every token.
+    streamed = stream(tokenizer, prompt_ids, output_ids, [1], skip_special_tokens)
+    windowed = stream(windowed_twin(tokenizer), prompt_ids, output_ids, [1], skip_special_tokens)
+    assert streamed == windowed
+
+
+def test_a_forked_detokenizer_streams_on_its_own(tokenizer):
+    prompt_ids = tokenizer.encode("Once upon", add_special_tokens=False)
+    first = tokenizer.encode(" a time there", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    detokenizer.append(first)
+    twin = detokenizer.clone()
+    left = "".join(detokenizer.append([t]) for t in tokenizer.encode(" was a king.", add_special_tokens=False))
+    right = "".join(twin.append([t]) for t in tokenizer.encode(" lived 😀.", add_special_tokens=False))
+    assert (detokenizer.output_text, twin.output_text) == (" a time there was a king.", " a time there lived 😀.")
+    assert (left, right) == (" was a king.", " lived 😀.")
+
+
+def test_a_window_the_stream_refuses_continues_with_the_windowed_decodes():
+    # "a" then "b" decode to "a" then "X": the window's text no longer begins with the text emitted,
+    # which DecodeStream refuses. By the windowed algorithm's definition: "a" is emitted at the first
+    # token; "X" is not longer than "a", so nothing at the second; "Xc" is, so its part past the
+    # emitted length, "c", at the third; then "Xcd" gives "d".
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    assert tokenizer.decode([0, 1]) == "X" and streaming_backend(tokenizer) is not None
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    assert [detokenizer.append([t]) for t in (0, 1, 2, 3)] == ["a", "", "c", "d"]
+    assert detokenizer.output_text == "acd"
