@@ -50,8 +50,9 @@ constexpr int gemv_vectors(int V, int M) {
 #if defined(CPU_CAPABILITY_AVX512)
 // sums[m * 32 + c] = sum over p of the block's word (p, c) . x's pair p of row m, for M rows of x given as pairs
 // (x_words[m * pairs + p] = x[m, 2p], x[m, 2p + 1]) and one block's words ([pairs][32]): vdpbf16ps with x's pairs
-// broadcast. The words `kBf16PrefetchBytes` ahead are asked for while summing, up to `prefetch_end`.
-template <int M>
+// broadcast. The words `kBf16PrefetchBytes` ahead are asked for while summing, up to `prefetch_end`; with
+// kReadOnce (the GEMV, whose every weight is summed in one pass and never read again in the call) as lines read once.
+template <int M, bool kReadOnce = false>
 __attribute__((target("avx512bf16"))) inline void dot_block_sums(const uint32_t* words, int64_t pairs,
                                                                   const uint32_t* x_words, const char* prefetch_end,
                                                                   float* sums) {
@@ -65,7 +66,12 @@ __attribute__((target("avx512bf16"))) inline void dot_block_sums(const uint32_t*
       const uint32_t* row = words + p * kBf16BlockColumns + v0 * 16;
       if (v0 == 0) {
         const char* here = reinterpret_cast<const char*>(row);
-        prefetch_span(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4, prefetch_end);
+        if constexpr (kReadOnce) {
+          prefetch_span_once(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4,
+                             prefetch_end);
+        } else {
+          prefetch_span(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4, prefetch_end);
+        }
       }
       __m512bh weights[VC];
       for (int v = 0; v < VC; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * 16));
@@ -101,10 +107,12 @@ template <int M>
 __attribute__((target("avx512bf16"))) void gemv_bf16_blocks_dot(const PackedBf16& w, const uint32_t* x_words,
                                                                  const float* bias, uint16_t* out, int64_t begin,
                                                                  int64_t end) {
+  // One pass over each block's words (all its column vectors at once), so each weight line is read once.
+  static_assert(gemv_vectors(kBf16BlockColumns / 16, M) == kBf16BlockColumns / 16, "the GEMV sums a block in one pass");
   const char* prefetch_end = reinterpret_cast<const char*>(w.block(end));
   __at_align__ float sums[M * kBf16BlockColumns];
   for (int64_t b = begin; b < end; ++b) {
-    dot_block_sums<M>(w.block(b), w.pairs, x_words, prefetch_end, sums);
+    dot_block_sums<M, true>(w.block(b), w.pairs, x_words, prefetch_end, sums);
     const int64_t first = b * kBf16BlockColumns;
     store_block_bf16(sums, M, std::min<int64_t>(kBf16BlockColumns, w.N - first), bias, first, out, w.N);
   }

@@ -413,6 +413,16 @@ __attribute__((always_inline)) inline void prefetch_span(const void* from, const
   for (const char* line = static_cast<const char*>(from); line < last; line += 64) __builtin_prefetch(line);
 }
 
+// prefetch_span for lines a kernel reads exactly once (a GEMV's weights): asked for with the non-temporal hint,
+// which keeps them out of the caches past L1 as far as the CPU allows. A one-row decode step streams all the
+// weights (270 MB for SmolLM2 in bfloat16); asked for as prefetch_span does, they pushed out of L2 and L3 whatever
+// the host's Python and the next kernels work on, and the step's host work ran up to twice as long. Lines that are
+// read again (a GEMM's blocks, by each tile of rows) must use prefetch_span: these are not kept in L2 for them.
+__attribute__((always_inline)) inline void prefetch_span_once(const void* from, const void* to, const void* limit) {
+  const char* last = std::min(static_cast<const char*>(to), static_cast<const char*>(limit));
+  for (const char* line = static_cast<const char*>(from); line < last; line += 64) __builtin_prefetch(line, 0, 0);
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Whether this CPU executes AVX512_BF16 (asked once; the AVX-512 build runs only where AVX-512 does).
 inline bool cpu_has_avx512_bf16() {
