@@ -14,11 +14,12 @@ whenever that decode does not end with U+FFFD (a trailing incomplete character i
 
 Fast tokenizers whose ``decode`` is their Rust backend's alone (no clean-up of spaces) run the same
 algorithm in Rust, through ``tokenizers.decoders.DecodeStream``: one call per token instead of two
-Python decodes of the window (0.6 against 5.2 us a token on SmolLM2's tokenizer). Its state after
-the prompt context is the one above (window from the context's start, read offset at its end), and
-it moves its offsets exactly when the Python algorithm does. It refuses a window whose new decode
-does not begin with the text already emitted (some invalid byte sequences); from that token on the
-sequence takes the Python decodes, from the offsets tracked beside the stream.
+Python decodes of the window (0.6 against 5.2 us a token on SmolLM2's tokenizer). It starts from one
+step over the prompt context, which leaves it in the state above when the context has text, and it
+takes a chunk of several ids (speculative decoding) one id at a time, so text that a later id of the
+chunk leaves incomplete does not hold back the text before it. It refuses a window whose new decode
+does not begin with the text already emitted (a decoder that rewrites across tokens can do that);
+from that token on the sequence takes the Python decodes, from the offsets tracked beside the stream.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def streaming_backend(tokenizer: Any) -> Any:
 
 @functools.cache
 def _stream_takes_lists() -> bool:
-    """Whether this tokenizers release has a DecodeStream whose step takes a list of ids (0.22 and later)."""
+    """Whether this tokenizers release has a DecodeStream whose step takes a list of ids (older ones take one)."""
     if DecodeStream is None:
         return False
     from tokenizers import Tokenizer, models

@@ -2,7 +2,10 @@
 
 Invariant: whatever way the output ids are split into ``append`` calls, the deltas concatenate to
 ``tokenizer.decode(output_ids, skip_special_tokens=...)`` when that decode does not end with U+FFFD
-(otherwise to a prefix of it: the incomplete character is held back).
+(otherwise to a prefix of it: the incomplete character is held back). The bundled tokenizer takes the
+Rust stream; its twin with clean-up of spaces asked for takes the Python decodes, and token by token
+the two give the same deltas. A tokenizer built here, whose decoder rewrites text across tokens, makes
+the stream refuse a window.
 """
 
 import copy
