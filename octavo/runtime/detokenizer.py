@@ -113,10 +113,7 @@ class IncrementalDetokenizer:
                 pieces.append(self._append_decoded())
                 break
             if piece is not None:
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self._token_ids)
-                self._output_text_parts.append(piece)
-                pieces.append(piece)
+                pieces.append(self._emit(piece))
         return "".join(pieces)
 
     def _append_decoded(self) -> str:
@@ -125,7 +122,10 @@ class IncrementalDetokenizer:
         window_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(window_text) <= len(emitted_text) or window_text.endswith(REPLACEMENT_CHARACTER):
             return ""
-        delta = window_text[len(emitted_text) :]
+        return self._emit(window_text[len(emitted_text) :])
+
+    def _emit(self, delta: str) -> str:
+        """Record `delta` as emitted: the window moves to the old read offset, the read offset to the end."""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         self._output_text_parts.append(delta)

@@ -66,12 +66,8 @@ __attribute__((target("avx512bf16"))) inline void dot_block_sums(const uint32_t*
       const uint32_t* row = words + p * kBf16BlockColumns + v0 * 16;
       if (v0 == 0) {
         const char* here = reinterpret_cast<const char*>(row);
-        if constexpr (kReadOnce) {
-          prefetch_span_once(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4,
-                             prefetch_end);
-        } else {
-          prefetch_span(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4, prefetch_end);
-        }
+        prefetch_span<kReadOnce>(here + kBf16PrefetchBytes, here + kBf16PrefetchBytes + kBf16BlockColumns * 4,
+                                 prefetch_end);
       }
       __m512bh weights[VC];
       for (int v = 0; v < VC; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * 16));

@@ -287,16 +287,16 @@ at::Tensor float_gemv(const W& w, const at::Tensor& rows, const std::optional<at
   thread_local std::vector<float> wide_x, wide_out;
   wide_x.resize(M * K);
   wide_out.resize(M * N);
+  const auto run_widened = [&](auto tag) {
+    using T = decltype(tag);
+    at::vec::convert(x.const_data_ptr<T>(), wide_x.data(), M * K);
+    gemv_for(M, w, wide_x.data(), bias_data, wide_out.data());
+    at::vec::convert(wide_out.data(), out.data_ptr<T>(), M * N);
+  };
   if (x.scalar_type() == at::kBFloat16) {
-    at::vec::convert(x.const_data_ptr<c10::BFloat16>(), wide_x.data(), M * K);
+    run_widened(c10::BFloat16());
   } else {
-    at::vec::convert(x.const_data_ptr<c10::Half>(), wide_x.data(), M * K);
-  }
-  gemv_for(M, w, wide_x.data(), bias_data, wide_out.data());
-  if (x.scalar_type() == at::kBFloat16) {
-    at::vec::convert(wide_out.data(), out.data_ptr<c10::BFloat16>(), M * N);
-  } else {
-    at::vec::convert(wide_out.data(), out.data_ptr<c10::Half>(), M * N);
+    run_widened(c10::Half());
   }
   return out;
 }

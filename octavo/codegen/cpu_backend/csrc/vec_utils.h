@@ -408,19 +408,18 @@ inline void prefetch_bytes(const void* data, int64_t n) {
 // Asks for the cache lines of [from, min(to, limit)): streaming kernels ask a fixed distance ahead of what they
 // read, never past their task's end. Written as a loop over the lines: GCC 12 deleted the same request made as
 // prefetch_bytes with a clamped count, so check the built library for prefetcht0 after changing it.
+//
+// kReadOnce, for lines a kernel reads exactly once (a GEMV's weights): asked for with the non-temporal hint
+// (prefetchnta), which keeps them out of the caches past L1 as far as the CPU allows. A one-row decode step streams
+// all the weights (270 MB for SmolLM2 in bfloat16); asked for with prefetcht0, they pushed out of L2 and L3
+// whatever the host's Python and the next kernels work on, and the step's host work ran up to twice as long. Lines
+// that are read again (a GEMM's blocks, by each tile of rows) must not take it: they are not kept in L2.
+template <bool kReadOnce = false>
 __attribute__((always_inline)) inline void prefetch_span(const void* from, const void* to, const void* limit) {
   const char* last = std::min(static_cast<const char*>(to), static_cast<const char*>(limit));
-  for (const char* line = static_cast<const char*>(from); line < last; line += 64) __builtin_prefetch(line);
-}
-
-// prefetch_span for lines a kernel reads exactly once (a GEMV's weights): asked for with the non-temporal hint,
-// which keeps them out of the caches past L1 as far as the CPU allows. A one-row decode step streams all the
-// weights (270 MB for SmolLM2 in bfloat16); asked for as prefetch_span does, they pushed out of L2 and L3 whatever
-// the host's Python and the next kernels work on, and the step's host work ran up to twice as long. Lines that are
-// read again (a GEMM's blocks, by each tile of rows) must use prefetch_span: these are not kept in L2 for them.
-__attribute__((always_inline)) inline void prefetch_span_once(const void* from, const void* to, const void* limit) {
-  const char* last = std::min(static_cast<const char*>(to), static_cast<const char*>(limit));
-  for (const char* line = static_cast<const char*>(from); line < last; line += 64) __builtin_prefetch(line, 0, 0);
+  for (const char* line = static_cast<const char*>(from); line < last; line += 64) {
+    __builtin_prefetch(line, 0, kReadOnce ? 0 : 3);
+  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
