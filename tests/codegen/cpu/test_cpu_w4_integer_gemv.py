@@ -118,6 +118,27 @@ def test_rows_of_zeros_and_non_finite_values(cpu_kernels, monkeypatch):
     assert output[[0, 2, 5]].isfinite().all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_non_finite_parameter_stays_in_its_own_output(rows, cpu_kernels, monkeypatch):
+    """A weight row whose scale or offset is infinite or NaN makes its own output non-finite and no other: the
+    GEMV widens a block's rows' parameters side by side, and a row never reads its neighbour's (K = 200 ends inside
+    a 128-column chunk, so the chunk's scale vector and the last offsets vector run past the row's groups)."""
+    monkeypatch.setenv("OCTAVO_CPU_W4_GEMV", "")
+    generator = torch.Generator().manual_seed(23)
+    x = decode_rows(rows, 200, torch.bfloat16, 23)
+    packed, scales, offsets = w4_weight(12, 200, 32, torch.float16, generator)
+    offsets[1, -1] = float("inf")
+    scales[5, -1] = float("nan")
+    offsets[10, 0] = float("-inf")
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, 32, True)
+    broken = [1, 5, 10]
+    assert not output[:, broken].isfinite().any()
+    others = [n for n in range(12) if n not in broken]
+    assert output[:, others].isfinite().all()
+    reference = torch.ops.octavo_cpu.linear_w4(x, packed[others], scales[others], offsets[others], None, 32, True)
+    assert torch.equal(output[:, others], reference), "a row's output does not depend on its neighbours"
+
+
 def test_a_bad_choice_is_refused(cpu_kernels, monkeypatch):
     generator = torch.Generator().manual_seed(6)
     packed, scales, offsets = w4_weight(8, 64, 32, torch.float32, generator)

@@ -150,6 +150,24 @@ def test_rows_of_zeros_and_non_finite_values(cpu_kernels, monkeypatch):
     assert output[[0, 2, 5]].isfinite().all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_non_finite_group_scale_stays_in_its_own_output(rows, cpu_kernels, monkeypatch):
+    """A weight row with an infinite or NaN group scale makes its own output non-finite and no other: the grouped
+    GEMV widens a block's rows' scales side by side, and a row never reads its neighbour's."""
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    generator = torch.Generator().manual_seed(24)
+    x = decode_rows(rows, 200, torch.bfloat16, 24)
+    qweight, scales = w8_weight(12, 200, 32, torch.float16, generator)
+    scales[2, -1] = float("inf")
+    scales[7, 0] = float("nan")
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, 32, True)
+    others = [n for n in range(12) if n not in (2, 7)]
+    assert not output[:, [2, 7]].isfinite().any()
+    assert output[:, others].isfinite().all()
+    reference = torch.ops.octavo_cpu.linear_w8(x, qweight[others], scales[others], None, 32, True)
+    assert torch.equal(output[:, others], reference), "a row's output does not depend on its neighbours"
+
+
 def test_a_bad_choice_is_refused(cpu_kernels, monkeypatch):
     generator = torch.Generator().manual_seed(6)
     qweight, scales = w8_weight(8, 64, 64, torch.float32, generator)

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -52,6 +53,51 @@ struct NibbleRows {
   int64_t padded_groups;
 };
 
+// The row's columns in the kernel's order into slots (width = whole chunks, zeros past K): per 128-column chunk, its
+// even columns then its odd ones. 16-bit x (bfloat16, float16) 64 columns at a time by two-source permutes; float32
+// x one pair at a time.
+template <typename T>
+void reorder_row(const T* row, int64_t K, T* slots) {
+  int64_t k = 0;
+  if constexpr (sizeof(T) == 2) {
+    alignas(64) static constexpr int16_t kEven[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+    alignas(64) static constexpr int16_t kOdd[32] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                                     33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    const __m512i even_index = _mm512_load_si512(kEven), odd_index = _mm512_load_si512(kOdd);
+    const auto part = [&](int64_t first) {  // 32 columns from `first`, zeros past K
+      const int64_t left = std::clamp<int64_t>(K - first, 0, 32);
+      return _mm512_maskz_loadu_epi16(left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1, row + first);
+    };
+    for (; k < K; k += 64) {  // columns k .. k + 63: slots (k / 128) * 128 + (k % 128) / 2 + [0, 32) and + 64
+      const __m512i a = part(k), b = part(k + 32);
+      T* at = slots + k / kNibbleChunk * kNibbleChunk + k % kNibbleChunk / 2;
+      _mm512_storeu_si512(at, _mm512_permutex2var_epi16(a, even_index, b));
+      _mm512_storeu_si512(at + 64, _mm512_permutex2var_epi16(a, odd_index, b));
+    }
+    return;
+  }
+  for (; k + 1 < K; k += 2) {
+    const int64_t slot = k / kNibbleChunk * kNibbleChunk + k % kNibbleChunk / 2;
+    slots[slot] = row[k];
+    slots[slot + 64] = row[k + 1];
+  }
+}
+
+// The exact integer sum of xi = 256 * high + low over the 32 slots of a 32-column block (16 slots at `at` and 16 at
+// at + 64): the bytes summed by vpsadbw, the signed high bytes offset by 128 to sum them as unsigned.
+inline int64_t block_sum(const int8_t* high, const uint8_t* low) {
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80)), zero = _mm_setzero_si128();
+  const auto bytes_sum = [&](__m128i first, __m128i second) {
+    const __m128i sums = _mm_add_epi64(_mm_sad_epu8(first, zero), _mm_sad_epu8(second, zero));
+    return _mm_cvtsi128_si64(sums) + _mm_extract_epi64(sums, 1);
+  };
+  const auto load = [](const void* at) { return _mm_loadu_si128(static_cast<const __m128i*>(at)); };
+  const int64_t high_sum = bytes_sum(_mm_xor_si128(load(high), bias), _mm_xor_si128(load(high + 64), bias)) - 32 * 128;
+  const int64_t low_sum = bytes_sum(load(low), load(low + 64));
+  return 256 * high_sum + low_sum;
+}
+
 template <typename T>
 NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
   static thread_local std::vector<T> reordered;
@@ -59,15 +105,7 @@ NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
   const int64_t K = w.K, chunks = (K + kNibbleChunk - 1) / kNibbleChunk, width = chunks * kNibbleChunk;
   const int64_t G = padded_groups(w.groups);
   reordered.assign(M * width, T(0.f));
-  for (int64_t m = 0; m < M; ++m) {
-    const T* row = x + m * K;
-    T* slots = reordered.data() + m * width;
-    for (int64_t k = 0; k + 1 < K; k += 2) {
-      const int64_t slot = k / kNibbleChunk * kNibbleChunk + k % kNibbleChunk / 2;
-      slots[slot] = row[k];
-      slots[slot + 64] = row[k + 1];
-    }
-  }
+  for (int64_t m = 0; m < M; ++m) reorder_row(x + m * K, K, reordered.data() + m * width);
   const SplitRows planes = split_rows(reordered.data(), M, width);
   // A 32-column block b is slots 16j .. 16j + 15 and 64 + 16j .. 64 + 16j + 15 of chunk b / 4 (j = b % 4).
   sums.assign(M * G, 0.f);
@@ -77,10 +115,7 @@ NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
       int64_t group_sum = 0;  // exact: at most group_size * 32767
       for (int64_t b = g * blocks_per_group; b < std::min((g + 1) * blocks_per_group, blocks); ++b) {
         const int64_t at = m * planes.Kpad + b / 4 * kNibbleChunk + b % 4 * 16;
-        for (int64_t i = 0; i < 16; ++i) {
-          group_sum += 256 * int32_t{planes.high[at + i]} + planes.low[at + i];
-          group_sum += 256 * int32_t{planes.high[at + 64 + i]} + planes.low[at + 64 + i];
-        }
+        group_sum += block_sum(planes.high + at, planes.low + at);
       }
       sums[m * G + g] = static_cast<float>(group_sum);
     }
@@ -93,9 +128,9 @@ NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
 // kPrefetchBytes ahead), one line a row, up to prefetch_end: spread over the chunks, not all of a block's at once.
 template <int M, int R>
 __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
-    const Int4Matrix& w, const NibbleRows& x, int64_t n, int64_t c, const float* scales, const uint8_t* prefetch_end,
-    __m512 (&acc)[R][M]) {
-  const int64_t row_bytes = w.K / 2, left = row_bytes - c * 64, G = x.padded_groups;
+    const Int4Matrix& w, const NibbleRows& x, int64_t n, int64_t c, const float* scales, int64_t scale_stride,
+    const uint8_t* prefetch_end, __m512 (&acc)[M][R]) {
+  const int64_t row_bytes = w.K / 2, left = row_bytes - c * 64;
   for (int r = 0; r < R; ++r) {
     const uint8_t* ahead = w.q + (n + r) * row_bytes + c * 64 + kPrefetchBytes;
     if (ahead < prefetch_end) __builtin_prefetch(ahead);
@@ -109,7 +144,7 @@ __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
     const __m512i bytes = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * row_bytes + c * 64);
     even[r] = _mm512_and_si512(bytes, nibble);
     odd[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + x.groups.first_group[c]));
+    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * scale_stride + x.groups.first_group[c]));
   }
   for (int m = 0; m < M; ++m) {
     const int64_t at = m * x.planes.Kpad + c * kNibbleChunk;
@@ -121,7 +156,7 @@ __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
       __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even[r], high_even);
       sum = _mm512_slli_epi32(_mm512_dpbusd_epi32(sum, odd[r], high_odd), 8);
       sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, low_even, even[r]), low_odd, odd[r]);
-      acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[r][m]);
+      acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[m][r]);
     }
   }
 }
@@ -137,29 +172,37 @@ __attribute__((target("avx512vnni"))) inline void gemv_int4_vnni_block(const Int
   for (const Parameters* p : {&w.scales, &w.offsets}) {
     prefetch_span(p->address(ahead * w.groups), p->address((ahead + R) * w.groups), p->address(end * w.groups));
   }
+  // The block's rows' scales and offsets, each widened in one pass (row r's at r * groups).
+  const int64_t span = R * w.groups, room = round_up(span, 16) + 16;
   static thread_local std::vector<float> parameters;
-  if (static_cast<int64_t>(parameters.size()) < 2 * R * G) parameters.resize(2 * R * G);
+  if (static_cast<int64_t>(parameters.size()) < 2 * room) parameters.resize(2 * room);
   float* const scales = parameters.data();
-  float* const offsets = scales + R * G;
-  for (int r = 0; r < R; ++r) {
-    widen_parameters(w.scales, (n + r) * w.groups, w.groups, G, scales + r * G);
-    widen_parameters(w.offsets, (n + r) * w.groups, w.groups, G, offsets + r * G);
+  float* const offsets = scales + room;
+  widen_parameter_rows(w.scales, n * w.groups, span, scales);
+  widen_parameter_rows(w.offsets, n * w.groups, span, offsets);
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < x.groups.chunks; ++c) {
+    nibble_chunk<M, R>(w, x, n, c, scales, w.groups, w.q + end * row_bytes, acc);
   }
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < x.groups.chunks; ++c) nibble_chunk<M, R>(w, x, n, c, scales, w.q + end * row_bytes, acc);
-  // The offsets' terms join the same accumulators (the padding's zeros add nothing).
-  for (int64_t g = 0; g < G - 16; g += 16) {
+  // The offsets' terms join the same accumulators, 16 groups at a time; past the row's last group the offsets are
+  // taken as zeros (as the sums of x there are), not the next row's.
+  for (int64_t g = 0; g < w.groups; g += 16) {
+    const int64_t left = w.groups - g;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     for (int m = 0; m < M; ++m) {
       const __m512 sums = _mm512_loadu_ps(x.group_sums + m * G + g);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + r * G + g), sums, acc[r][m]);
+      for (int r = 0; r < R; ++r) {
+        acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, offsets + r * w.groups + g), sums, acc[m][r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int m = 0; m < M; ++m) {
-      const float total = _mm512_reduce_add_ps(acc[r][m]);
-      out[m * w.N + n + r] = static_cast<T>(std::fma(total, x.planes.step[m], bias ? bias[n + r] : 0.f));
+  for (int m = 0; m < M; ++m) {
+    float totals[R];
+    reduce_add_rows<R>(acc[m], totals);
+    for (int r = 0; r < R; ++r) {
+      out[m * w.N + n + r] = static_cast<T>(std::fma(totals[r], x.planes.step[m], bias ? bias[n + r] : 0.f));
     }
   }
 }

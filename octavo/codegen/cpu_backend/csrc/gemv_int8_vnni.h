@@ -120,7 +120,7 @@ void gemv_int8_vnni_rows(const Int8Matrix& w, const SplitRows& x, const float* b
 template <int M, int R>
 __attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_chunk(
     const Int8Matrix& w, const SplitRows& x, const ChunkGroups& groups, int64_t n, int64_t c, const float* scales,
-    int64_t G, const int8_t* prefetch_end, __m512 (&acc)[R][M]) {
+    int64_t scale_stride, const int8_t* prefetch_end, __m512 (&acc)[M][R]) {
   const int64_t K = w.K, left = K - c * 64;
   for (int r = 0; r < R; ++r) {
     const int8_t* ahead = w.q + (n + r) * K + c * 64 + kPrefetchBytes;
@@ -134,7 +134,7 @@ __attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_ch
   for (int r = 0; r < R; ++r) {
     q[r] = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * K + c * 64);
     q_sums[r] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, q[r]), 7);  // 128 * sum of q
-    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * G + groups.first_group[c]));
+    scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * scale_stride + groups.first_group[c]));
   }
   for (int m = 0; m < M; ++m) {
     const __m512i high = _mm512_xor_si512(_mm512_loadu_si512(x.high + m * x.Kpad + c * 64), top_bit);
@@ -142,7 +142,7 @@ __attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_ch
     for (int r = 0; r < R; ++r) {
       const __m512i high_sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, q[r]), q_sums[r]);
       const __m512i sum = _mm512_dpbusd_epi32(_mm512_slli_epi32(high_sum, 8), low, q[r]);
-      acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[r][m]);
+      acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[m][r]);
     }
   }
 }
@@ -153,24 +153,26 @@ template <typename T, int M, int R>
 __attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8Matrix& w, const SplitRows& x,
                                                                      const ChunkGroups& groups, const float* bias,
                                                                      T* out, int64_t n, int64_t end) {
-  const int64_t G = padded_groups(w.groups);
   const int64_t ahead = n + std::max<int64_t>(1, kPrefetchBytes / w.K);
   prefetch_span(w.scales.address(ahead * w.groups), w.scales.address((ahead + R) * w.groups),
                 w.scales.address(end * w.groups));
+  // The block's rows' scales widened in one pass (row r's at r * groups).
+  const int64_t span = R * w.groups;
   static thread_local std::vector<float> parameters;
-  if (static_cast<int64_t>(parameters.size()) < R * G) parameters.resize(R * G);
+  if (static_cast<int64_t>(parameters.size()) < round_up(span, 16) + 16) parameters.resize(round_up(span, 16) + 16);
   float* const scales = parameters.data();
-  for (int r = 0; r < R; ++r) widen_parameters(w.scales, (n + r) * w.groups, w.groups, G, scales + r * G);
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  widen_parameter_rows(w.scales, n * w.groups, span, scales);
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < groups.chunks; ++c) {
-    grouped_int8_chunk<M, R>(w, x, groups, n, c, scales, G, w.q + end * w.K, acc);
+    grouped_int8_chunk<M, R>(w, x, groups, n, c, scales, w.groups, w.q + end * w.K, acc);
   }
-  for (int r = 0; r < R; ++r) {
-    for (int m = 0; m < M; ++m) {
-      const float total = _mm512_reduce_add_ps(acc[r][m]);
-      out[m * w.N + n + r] = static_cast<T>(std::fma(total, x.step[m], bias ? bias[n + r] : 0.f));
+  for (int m = 0; m < M; ++m) {
+    float totals[R];
+    reduce_add_rows<R>(acc[m], totals);
+    for (int r = 0; r < R; ++r) {
+      out[m * w.N + n + r] = static_cast<T>(std::fma(totals[r], x.step[m], bias ? bias[n + r] : 0.f));
     }
   }
 }
