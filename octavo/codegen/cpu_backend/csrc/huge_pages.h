@@ -28,6 +28,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -128,8 +129,12 @@ inline void collapse_to_huge_pages(const void* data, int64_t bytes) {
 #endif
   static std::mutex mutex;
   static std::set<uintptr_t> ranges, pages;
+  // Every call of a linear asks again for its weight: the ranges this thread already asked for are answered
+  // without the lock.
+  thread_local std::unordered_set<uintptr_t> asked;
   if (bytes <= 0 || !huge_pages_wanted()) return;
   const uintptr_t page = static_cast<uintptr_t>(kHugePageBytes), begin = reinterpret_cast<uintptr_t>(data);
+  if (!asked.insert(begin).second) return;
   std::vector<uintptr_t> todo;
   {
     std::lock_guard<std::mutex> lock(mutex);
