@@ -12,6 +12,10 @@ OCTAVO_CPU_QUANTIZED_GEMM=onednn, and `octavo_cpu::linear_bf16` on bfloat16 weig
 `--rounds` times over all layers. The table gives the median time per call and each kernel's whole-step sum
 over the layers.
 
+`--kernels` times only some of them: one kernel alone reads its own weights from memory, where in turn with
+the others a kernel may find the weights the previous one just read in L3 (at one row, where the weights are
+all the work, time one kernel at a time: `--rows 1 --kernels "w4 own"`).
+
 On a shared machine read only the ratios, and run it with `taskset` on a fixed set of cores.
 """
 
@@ -54,14 +58,16 @@ def call(kernel: str, x16: torch.Tensor, layer: dict) -> None:
         torch.ops.octavo_cpu.linear_bf16(x16, layer["bf16"])
 
 
-def time_rows(layers: list[tuple[str, dict]], rows: int, rounds: int) -> dict[tuple[str, str], float]:
+def time_rows(layers: list[tuple[str, dict]], rows: int, rounds: int,
+              kernels: tuple[str, ...] = KERNELS) -> dict[tuple[str, str], float]:
     """(shape, kernel) -> median seconds per call."""
     inputs = {columns: torch.randn(rows, columns).bfloat16() for columns in {576, 1536}}
     times: dict[tuple[str, str], list[float]] = {}
     for round_ in range(rounds):
         for index, (name, layer) in enumerate(layers):
             x16 = inputs[layer["bf16"].shape[1]]
-            order = KERNELS[(index + round_) % len(KERNELS):] + KERNELS[:(index + round_) % len(KERNELS)]
+            turn = (index + round_) % len(kernels)
+            order = kernels[turn:] + kernels[:turn]
             for kernel in order:
                 os.environ["OCTAVO_CPU_QUANTIZED_GEMM"] = "onednn" if kernel.endswith("onednn") else ""
                 if round_ == 0:
@@ -72,16 +78,19 @@ def time_rows(layers: list[tuple[str, dict]], rows: int, rounds: int) -> dict[tu
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def report(rows: int, medians: dict[tuple[str, str], float], layers: int) -> None:
+def report(rows: int, medians: dict[tuple[str, str], float], layers: int,
+           kernels: tuple[str, ...] = KERNELS) -> None:
     print(f"\nrows = {rows}: median microseconds per call")
-    print(f"  {'shape':<8}" + "".join(f"{kernel:>12}" for kernel in KERNELS))
-    step = dict.fromkeys(KERNELS, 0.0)
+    print(f"  {'shape':<8}" + "".join(f"{kernel:>12}" for kernel in kernels))
+    step = dict.fromkeys(kernels, 0.0)
     for name in SHAPES:
-        print(f"  {name:<8}" + "".join(f"{medians[(name, kernel)] * 1e6:>12.1f}" for kernel in KERNELS))
-        for kernel in KERNELS:
+        print(f"  {name:<8}" + "".join(f"{medians[(name, kernel)] * 1e6:>12.1f}" for kernel in kernels))
+        for kernel in kernels:
             step[kernel] += medians[(name, kernel)] * layers
-    print(f"  {'step':<8}" + "".join(f"{step[kernel] * 1e6:>12.0f}" for kernel in KERNELS))
-    print("  against bf16: " + ", ".join(f"{kernel} {step[kernel] / step['bf16']:.2f}x" for kernel in KERNELS[:-1]))
+    print(f"  {'step':<8}" + "".join(f"{step[kernel] * 1e6:>12.0f}" for kernel in kernels))
+    if "bf16" in kernels and len(kernels) > 1:
+        print("  against bf16: " + ", ".join(f"{kernel} {step[kernel] / step['bf16']:.2f}x"
+                                           for kernel in kernels if kernel != "bf16"))
 
 
 def main() -> None:
@@ -90,7 +99,13 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64,512")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"comma-separated, of: {', '.join(KERNELS)} (default: all, in turn)")
     args = parser.parse_args()
+    chosen = tuple(kernel.strip() for kernel in args.kernels.split(","))
+    unknown = [kernel for kernel in chosen if kernel not in KERNELS]
+    if unknown or not chosen:
+        parser.error(f"unknown kernels {unknown}: choose from {', '.join(KERNELS)}")
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
     print(f"CPU kernels: {kernels.target.describe()}, {kernels.build_info}; {args.threads} threads")
@@ -98,7 +113,7 @@ def main() -> None:
     layers = [(name, make_layer(*shape, generator)) for _ in range(args.layers) for name, shape in SHAPES.items()]
     with torch.inference_mode():
         for rows in (int(value) for value in args.rows.split(",")):
-            report(rows, time_rows(layers, rows, args.rounds), args.layers)
+            report(rows, time_rows(layers, rows, args.rounds, chosen), args.layers, chosen)
 
 
 if __name__ == "__main__":
