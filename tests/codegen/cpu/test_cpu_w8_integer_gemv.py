@@ -153,7 +153,8 @@ def test_rows_of_zeros_and_non_finite_values(cpu_kernels, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_a_non_finite_group_scale_stays_in_its_own_output(rows, cpu_kernels, monkeypatch):
     """A weight row with an infinite or NaN group scale makes its own output non-finite and no other: the grouped
-    GEMV widens a block's rows' scales side by side, and a row never reads its neighbour's."""
+    integer GEMV (CPUs with AMX-INT8) widens a block's rows' scales side by side, the float32 GEMV (the others)
+    reads each scale where it lies; either way a row never reads its neighbour's."""
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
     generator = torch.Generator().manual_seed(24)
     x = decode_rows(rows, 200, torch.bfloat16, 24)
