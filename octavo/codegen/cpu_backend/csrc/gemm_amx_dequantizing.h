@@ -92,8 +92,8 @@ __attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_lookup(con
   if (static_cast<int64_t>(parameters.size()) < 2 * padded) parameters.resize(2 * padded);
   float* const scales = parameters.data();
   float* const offsets = scales + padded;
-  widen_parameters(w.scales, n * w.groups, w.groups, padded, scales);
-  widen_parameters(w.offsets, n * w.groups, w.groups, padded, offsets);
+  widen_parameter_rows(w.scales, n * w.groups, w.groups, scales);
+  widen_parameter_rows(w.offsets, n * w.groups, w.groups, offsets);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i low_nibble = _mm512_set1_epi32(0x0F), high_nibble = _mm512_set1_epi32(0xF0);
   const uint8_t* row = w.row(n);
@@ -129,7 +129,7 @@ __attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_chunks(con
   const int64_t padded = padded_groups(w.groups);
   if (static_cast<int64_t>(parameters.size()) < padded) parameters.resize(padded);
   float* const scales = parameters.data();
-  widen_parameters(w.scales, n * w.groups, w.groups, padded, scales);
+  widen_parameter_rows(w.scales, n * w.groups, w.groups, scales);
   const int8_t* row = w.q + n * w.K;
   const auto widen = [](__m128i bytes, __m512 scale) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);

@@ -173,7 +173,7 @@ __attribute__((target("avx512vnni"))) inline void gemv_int4_vnni_block(const Int
     prefetch_span(p->address(ahead * w.groups), p->address((ahead + R) * w.groups), p->address(end * w.groups));
   }
   // The block's rows' scales and offsets, each widened in one pass (row r's at r * groups).
-  const int64_t span = R * w.groups, room = round_up(span, 16) + 16;
+  const int64_t span = R * w.groups, room = padded_groups(span);
   static thread_local std::vector<float> parameters;
   if (static_cast<int64_t>(parameters.size()) < 2 * room) parameters.resize(2 * room);
   float* const scales = parameters.data();

@@ -159,7 +159,7 @@ __attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8M
   // The block's rows' scales widened in one pass (row r's at r * groups).
   const int64_t span = R * w.groups;
   static thread_local std::vector<float> parameters;
-  if (static_cast<int64_t>(parameters.size()) < round_up(span, 16) + 16) parameters.resize(round_up(span, 16) + 16);
+  if (static_cast<int64_t>(parameters.size()) < padded_groups(span)) parameters.resize(padded_groups(span));
   float* const scales = parameters.data();
   widen_parameter_rows(w.scales, n * w.groups, span, scales);
   __m512 acc[M][R];

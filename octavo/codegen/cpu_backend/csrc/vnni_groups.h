@@ -21,31 +21,9 @@ namespace octavo_cpu {
 // group, which may lie in the last vector.
 inline int64_t padded_groups(int64_t groups) { return round_up(groups, 16) + 16; }
 
-// dst[0:count] = p[first:first + count] as float32, dst[count:padded] = 0 (padded: padded_groups(count)).
-inline void widen_parameters(const Parameters& p, int64_t first, int64_t count, int64_t padded, float* dst) {
-  _mm512_storeu_ps(dst + padded - 16, _mm512_setzero_ps());
-  for (int64_t i = 0; i < padded - 16; i += 16) {
-    const int64_t left = count - i;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    __m512 values;
-    switch (p.type) {
-      case Parameters::Type::kHalf:
-        values = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.address(first + i)));
-        break;
-      case Parameters::Type::kBFloat16:
-        values = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.address(first + i))), 16));
-        break;
-      default:
-        values = _mm512_maskz_loadu_ps(mask, p.address(first + i));
-    }
-    _mm512_storeu_ps(dst + i, values);
-  }
-}
-
-// dst[0:count] = p[first:first + count] as float32, then zeros up to round_up(count, 16) + 16 (dst has room for
-// that many): the parameters of consecutive weight rows side by side, row r's groups at r * groups, widened in one
-// pass for a block of rows (the type asked once, not per row). A chunk's scales are loaded as a vector from its
+// dst[0:count] = p[first:first + count] as float32, then zeros up to padded_groups(count) (dst has room for that
+// many), the type asked once: one row's groups, or the parameters of consecutive weight rows side by side (row r's
+// groups at r * groups) widened in one pass for a block of rows. A chunk's scales are loaded as a vector from its
 // first group, which reads at most 15 values past its row: the next row's, or the zeros.
 inline void widen_parameter_rows(const Parameters& p, int64_t first, int64_t count, float* dst) {
   const auto widen = [&](auto load) {
