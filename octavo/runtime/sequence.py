@@ -32,8 +32,8 @@ class OutputTokenIds(collections.abc.Sequence):
         return len(self._tokens) - self._start
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self._tokens[self._start:][index]
+        if isinstance(index, slice):  # only the ids the slice names are read, not a copy of the whole output
+            return [self._tokens[i] for i in range(self._start, len(self._tokens))[index]]
         length = len(self)
         position = index + length if index < 0 else index
         if not 0 <= position < length:

@@ -17,6 +17,16 @@ def test_the_view_reads_what_the_slice_holds_and_follows_later_tokens():
             view[index]
 
 
+def test_every_slice_of_the_view_is_the_slice_of_the_output_list():
+    tokens = [9, 8, 10, 11, 12, 13, 14]
+    view, output = OutputTokenIds(tokens, 2), tokens[2:]
+    bounds = [None, *range(-7, 8)]
+    for start in bounds:
+        for stop in bounds:
+            for step in (None, 1, 2, 3, -1, -2, -4):
+                assert view[start:stop:step] == output[start:stop:step], (start, stop, step)
+
+
 def test_an_empty_output_is_false_and_has_no_last_token():
     view = OutputTokenIds([5, 6], 2)
     assert not view and len(view) == 0 and list(view) == []
