@@ -2,6 +2,11 @@
 
 Choice `i * n + j` is sample j of prompt i. `usage.prompt_tokens` counts each prompt once,
 `usage.completion_tokens` every generated token of every sample (EOS included), as OpenAI does.
+
+`max_tokens: 0` (OpenAI's schema allows it) generates nothing: each choice is the echoed prompt (with its
+logprobs when `logprobs` asks) or empty text, `finish_reason` "length", no completion tokens: the way
+evaluation harnesses score a prompt. The engine runs the prompt as a request for one token, whose token
+is not shown, so the prompt must leave room for one token in the context, as for any request.
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, "suffix is not supported", param="suffix")
     # echo with logprobs scores the prompt too (vLLM's prompt_logprobs).
     structure = requested_structure(body)
-    params = sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None,
-                             structure.spec if structure is not None else None)
+    generates = body.max_tokens != 0
+    params = sampling_params(body, body.max_tokens if generates else 1, body.logprobs,
+                             body.logprobs if body.echo else None, structure.spec if structure is not None else None)
+    if not generates and params.min_tokens > 0:
+        raise APIError(400, f"SamplingParams.min_tokens must be <= max_tokens=0, got {params.min_tokens}",
+                       param="min_tokens")
     prompts = body.prompt_list()
     if not prompts:
         raise APIError(400, "the prompt is empty", param="prompt")
@@ -51,15 +60,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     await compile_structure(context, structure)
     generation = await context.admit(len(prompts), params, encode, arrival, lora=lora)
-    writer = CompletionWriter(context, generation, body, params.n)
+    writer = CompletionWriter(context, generation, body, params.n, generates)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
 
 class CompletionWriter:
     """Builds the response objects (streamed chunks or one body) of one completion request."""
 
-    def __init__(self, context: ServerContext, generation: Generation, body: CompletionRequest, n: int):
+    def __init__(self, context: ServerContext, generation: Generation, body: CompletionRequest, n: int,
+                 generates: bool = True):
         self.generation = generation
+        self.generates = generates
         self.id = f"cmpl-{generation.base_id}"
         self.created = int(time.time())
         self.model = body.model or context.settings.model_name
@@ -75,9 +86,10 @@ class CompletionWriter:
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
                 index = prompt_index * self.n + completion.index
-                text = self._prompt_text(prompt_index) + completion.text
-                sample = SampleDelta(completion.index, text, completion.token_ids, completion.logprobs,
-                                     completion.finish_reason, completion.stop_reason)
+                sample = self._shown(SampleDelta(completion.index, completion.text, completion.token_ids,
+                                                 completion.logprobs, completion.finish_reason,
+                                                 completion.stop_reason))
+                sample.text = self._prompt_text(prompt_index) + sample.text
                 choices.append(self._choice(index, sample, self._echoed(prompt_index, output.prompt_logprobs)))
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
@@ -94,12 +106,20 @@ class CompletionWriter:
             yield self._envelope([], self.usage(finals))
 
     def usage(self, finals: list[RequestOutput]) -> dict:
-        completion_tokens = sum(len(completion.token_ids) for output in finals for completion in output.outputs)
+        completion_tokens = sum(len(completion.token_ids) for output in finals
+                                for completion in output.outputs) if self.generates else 0
         prompt_tokens = self.generation.num_prompt_tokens
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    def _shown(self, sample: SampleDelta) -> SampleDelta:
+        """`sample` as the response shows it: for max_tokens 0, none of the one token the engine generated."""
+        if self.generates:
+            return sample
+        return SampleDelta(sample.index, "", [], [], "length" if sample.finish_reason is not None else None, None)
+
     def _stream_choice(self, prompt_index: int, sample: SampleDelta, delta: OutputDelta) -> dict | None:
+        sample = self._shown(sample)
         index = prompt_index * self.n + sample.index
         first = index not in self._started
         text = (self._prompt_text(prompt_index) if first else "") + sample.text

@@ -393,8 +393,6 @@ def semantic_errors(endpoint: str, body: dict, prompt_lengths: list[int], vocab_
             token_lists = [prompt] if isinstance(prompt[0], int) else prompt
             if any(token >= vocab_size for tokens in token_lists for token in tokens):
                 bad.add("prompt")
-        if max_tokens == 0:
-            bad.add("max_tokens")
         length_fields = {"prompt", "max_tokens"}
         tool_structure = False
     else:
@@ -414,7 +412,8 @@ def semantic_errors(endpoint: str, body: dict, prompt_lengths: list[int], vocab_
         if length == 0:
             bad.add("prompt")
         limit = context_tokens - length if max_tokens is None else max_tokens
-        if limit < 1 or length + limit > context_tokens:
+        # max_tokens 0 (completions) shows nothing generated, but the prompt runs as a request for one token.
+        if length + max(limit, 1) > context_tokens:
             bad.update(length_fields)
         elif body.get("min_tokens", 0) > limit:
             bad.add("min_tokens")

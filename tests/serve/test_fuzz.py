@@ -174,7 +174,7 @@ prompts = either(short_texts.filter(bool) | st.lists(short_texts.filter(bool), m
 COMPLETION_FIELDS = {
     **SHARED_FIELDS,
     "prompt": prompts,
-    "max_tokens": either(st.sampled_from([None, *range(1, 7)]), st.integers(-2, 6) | st.integers() | edge_numbers
+    "max_tokens": either(st.sampled_from([None, *range(0, 7)]), st.integers(-2, 6) | st.integers() | edge_numbers
                          | json_values),
     "logprobs": either(st.none() | st.integers(0, 20), st.integers(min_value=-1, max_value=25) | json_values),
     "echo": either(st.none() | st.booleans(), json_values),

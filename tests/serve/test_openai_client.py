@@ -83,6 +83,35 @@ def test_echo_with_logprobs_scores_the_prompt_as_offline_prompt_logprobs(client,
         assert token_logprobs[len(prompt_ids) + offset] == pytest.approx(entry[token_id].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_returns_the_scored_prompt_and_nothing_generated(client, tiny_server, tiny_offline,
+                                                                                 stream):
+    response = client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=0, logprobs=2,
+                                         echo=True, stream=stream, stream_options={"include_usage": True} if stream
+                                         else None)
+    chunks = list(response) if stream else [response]
+    choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    tokens = [token for choice in choices if choice.logprobs for token in choice.logprobs.tokens]
+    token_logprobs = [value for choice in choices if choice.logprobs for value in choice.logprobs.token_logprobs]
+    expected = tiny_offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    prompt_ids = expected.prompt_token_ids
+    assert "".join(choice.text for choice in choices) == PROMPT == "".join(tokens)
+    assert [choice.finish_reason for choice in choices if choice.finish_reason] == ["length"]
+    assert len(token_logprobs) == len(prompt_ids) and token_logprobs[0] is None
+    for position in range(1, len(prompt_ids)):
+        entry = expected.prompt_logprobs[position][prompt_ids[position]]
+        assert token_logprobs[position] == pytest.approx(entry.logprob, abs=1e-5)
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 0)
+
+    plain = client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=0, n=2, temperature=1.0)
+    assert [(choice.text, choice.finish_reason) for choice in plain.choices] == [("", "length")] * 2
+    assert plain.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=0,
+                                  extra_body={"min_tokens": 1})
+
+
 def test_chat_logprobs(client, tiny_server):
     response = client.chat.completions.create(model=tiny_server.model, messages=MESSAGES, max_tokens=5,
                                               temperature=0, logprobs=True, top_logprobs=2)
