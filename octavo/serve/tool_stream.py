@@ -6,8 +6,9 @@ One `ToolCallStream` per choice. By the plan's mode:
 - named: the reply is the function's arguments; the first delta opens the call (its index, id, type
   and name with the first piece of arguments), later ones carry more arguments;
 - auto: text is content until the parser sees where a call may begin; from there it is held. When
-  the choice finishes, the held text is parsed: each call is sent as a delta that opens it (id, type,
-  name, empty arguments) and one with its arguments; text with no well-formed call is sent as content;
+  the choice finishes, the held text is parsed: each call is sent whole, as one delta (its index, id,
+  type, name and all of its arguments: a chunk names each call once, so that a client that reads one
+  delta per call per chunk misses nothing); text with no well-formed call is sent as content;
 - required: everything is held and parsed when the choice finishes, likewise.
 
 A client assembles each call by its `index`, concatenating the `arguments` pieces, as OpenAI's
@@ -84,9 +85,6 @@ class ToolCallStream:
     def _calls(self, parsed: ParsedToolCalls) -> StreamPiece:
         self.called = True  # the text before the calls (auto) went out as content as it came
         self.sent = len(self.text)
-        deltas = []
-        for index, call in enumerate(parsed.calls):
-            deltas.append({"index": index, "id": tool_call_id(), "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
-        return StreamPiece(tool_calls=deltas)
+        return StreamPiece(tool_calls=[{"index": index, "id": tool_call_id(), "type": "function",
+                                        "function": {"name": call.name, "arguments": call.arguments}}
+                                       for index, call in enumerate(parsed.calls)])

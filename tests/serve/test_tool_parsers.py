@@ -122,6 +122,7 @@ def test_streamed_auto_replies_hold_calls_back_and_send_content():
     stream = ToolCallStream(ToolPlan("auto", None, parser=HermesParser()))
     content, tool_calls = feed_all(stream, deltas)
     assert content == "Checking " and stream.called
+    assert len(tool_calls) == 1, "the held call goes out whole, in one delta"
     [(call_id, name, arguments)] = assemble(tool_calls)
     assert call_id.startswith("chatcmpl-tool-") and (name, arguments) == ("get_weather", WEATHER_ARGS)
     # A malformed call is sent as content, all of it.
@@ -143,6 +144,11 @@ def test_required_and_single_call_plans_parse_the_listed_calls():
     assert calls_of(ToolPlan("required", None).parse(text)) == [("get_weather", WEATHER_ARGS),
                                                                  ("get_time", TIME_ARGS)]
     assert calls_of(ToolPlan("required", None, single_call=True).parse(text)) == [("get_weather", WEATHER_ARGS)]
+    stream = ToolCallStream(ToolPlan("required", None))
+    content, tool_calls = feed_all(stream, [text[:30], text[30:]])
+    assert content == "" and [delta["index"] for delta in tool_calls] == [0, 1]  # each call whole, once
+    assert [(name, arguments) for _, name, arguments in assemble(tool_calls)] == [("get_weather", WEATHER_ARGS),
+                                                                                  ("get_time", TIME_ARGS)]
     assert ToolPlan("required", None).parse('[{"name": "get_weather"') is None
     assert ToolPlan("none", None).parse(text) is None
     assert ToolPlan("named", None, function_name="f").parse("{}").calls == [ParsedCall("f", "{}")]
