@@ -172,7 +172,8 @@ def test_chat_keeps_the_conversation_and_survives_a_rejected_message(tiny_artifa
     too_long = " ".join(["word"] * 40)
     result = subprocess.run([sys.executable, "-m", "octavo.cli", "chat", str(tiny_artifact("llama")),
                              "--max-tokens", "5", "--max-model-len", "64", "--num-kv-blocks", "16", "--threads", "1"],
-                            input=f"Hi\n{too_long}\nBye\n\n", capture_output=True, text=True, timeout=300)
+                            input=f"Hi\n{too_long}\nBye\n/clear\nBye\n/exit\nnever sent\n", capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: the prompt has"), result.stderr
@@ -180,9 +181,12 @@ def test_chat_keeps_the_conversation_and_survives_a_rejected_message(tiny_artifa
     first = tiny_llm.chat([{"role": "user", "content": "Hi"}], params)[0].outputs[0].text
     second = tiny_llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
                             {"role": "user", "content": "Bye"}], params)[0].outputs[0].text
-    assert first.strip() and second.strip() and first != second
+    fresh = tiny_llm.chat([{"role": "user", "content": "Bye"}], params)[0].outputs[0].text  # after /clear
+    assert first.strip() and second.strip() and first != second and fresh != second
     assert first in result.stdout and second in result.stdout
-    assert result.stdout.index(first) < result.stdout.rindex(second)
+    # After /clear the last reply is the one to "Bye" alone, with no history before it.
+    assert result.stdout.index(first) < result.stdout.index(second) < result.stdout.rindex(fresh)
+    assert result.stdout.count("tokens in ") == 0 and result.stderr.count("tokens in ") == 3  # /exit sent nothing
     assert_pool_full(tiny_llm.engine)
 
 

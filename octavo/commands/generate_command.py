@@ -80,15 +80,21 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _chat(llm: LLM, args: argparse.Namespace) -> None:
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    error_console.print("chat: type a message, an empty line or Ctrl-D to quit")
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    error_console.print("chat: type a message; /clear starts over; /exit, an empty line or Ctrl-D quits")
     while True:
         try:
             text = console.input("[bold]> [/bold]")
         except EOFError:
             break
-        if not text.strip():
+        command = text.strip()
+        if not command or command in ("/exit", "/quit", "/bye"):
             break
+        if command == "/clear":
+            messages = list(opening)
+            error_console.print("(conversation cleared)")
+            continue
         messages.append({"role": "user", "content": text})
         try:
             reply = stream_reply(llm, llm.apply_chat_template(messages), _sampling(args))
