@@ -76,6 +76,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The artifact's tokenizer (the `tokenizer` property, under vLLM's name for it)."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False, lora: str | None = None) -> list[RequestOutput]:

@@ -100,8 +100,8 @@ def test_stream_of_a_rejected_prompt_yields_its_error(llm):
 
 
 def test_chat_uses_the_tokenizers_chat_template(llm):
-    expected_ids = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+    expected_ids = llm.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
     assert llm.apply_chat_template(MESSAGES) == expected_ids
     rendered = llm.tokenizer.decode(expected_ids)
     assert rendered.endswith("<|im_start|>assistant\n") and "What is a compiler?" in rendered
