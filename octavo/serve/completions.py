@@ -60,17 +60,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     await compile_structure(context, structure)
     generation = await context.admit(len(prompts), params, encode, arrival, lora=lora)
-    writer = CompletionWriter(context, generation, body, params.n, generates)
+    writer = CompletionWriter(context, generation, body, params.n)
     return await respond(request, generation, bool(body.stream), writer.chunks, writer.response)
 
 
 class CompletionWriter:
     """Builds the response objects (streamed chunks or one body) of one completion request."""
 
-    def __init__(self, context: ServerContext, generation: Generation, body: CompletionRequest, n: int,
-                 generates: bool = True):
+    def __init__(self, context: ServerContext, generation: Generation, body: CompletionRequest, n: int):
         self.generation = generation
-        self.generates = generates
+        self.generates = body.max_tokens != 0  # 0: the engine's one token is not shown
         self.id = f"cmpl-{generation.base_id}"
         self.created = int(time.time())
         self.model = body.model or context.settings.model_name

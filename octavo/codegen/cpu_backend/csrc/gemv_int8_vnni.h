@@ -157,9 +157,9 @@ __attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8M
   prefetch_span(w.scales.address(ahead * w.groups), w.scales.address((ahead + R) * w.groups),
                 w.scales.address(end * w.groups));
   // The block's rows' scales widened in one pass (row r's at r * groups).
-  const int64_t span = R * w.groups;
+  const int64_t span = R * w.groups, room = padded_groups(span);
   static thread_local std::vector<float> parameters;
-  if (static_cast<int64_t>(parameters.size()) < padded_groups(span)) parameters.resize(padded_groups(span));
+  if (static_cast<int64_t>(parameters.size()) < room) parameters.resize(room);
   float* const scales = parameters.data();
   widen_parameter_rows(w.scales, n * w.groups, span, scales);
   __m512 acc[M][R];
