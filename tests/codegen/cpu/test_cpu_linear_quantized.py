@@ -235,6 +235,25 @@ def test_bf16_gemm_rows_of_x_do_not_depend_on_the_other_rows(cpu_kernels):
                 assert_within_rounding(part, x[first:first + count], weight, None, bf16_gemm=True)
 
 
+@pytest.mark.parametrize(("rows", "n"), [(None, 40), (64, 600)], ids=["packed_weights", "weights_as_rows"])
+@pytest.mark.parametrize("group_size", [32, 64, 100, 200], ids=lambda size: f"group{size}")
+def test_bf16_gemm_rounds_each_dequantized_weight_once(rows, n, group_size, cpu_kernels):
+    """bf16_gemm multiplies each weight dequantized as its layout defines it, rounded to bfloat16 once: rows of the
+    identity as x (a product with 1.0 and sums of zeros are exact in every GEMM) give back W.T rounded to bfloat16
+    bit for bit, on every path (kernels' own GEMMs in both orientations, oneDNN). K = 200 ends in a partial group
+    of 32 columns and N in a partial block of 32 weight rows; every 4-bit and 8-bit value occurs in every column."""
+    k = 200
+    generator = torch.Generator().manual_seed(group_size)
+    x = torch.eye(k)[:rows]
+    packed, scales, offsets = w4_weight(n, k, group_size, torch.float16, generator)
+    expected = dequantize_w4(packed, scales, offsets, group_size).bfloat16().float().T[:rows]
+    output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, group_size, True)
+    assert torch.equal(output, expected)
+    qweight, scales = w8_weight(n, k, group_size, torch.bfloat16, generator)
+    expected = dequantize_w8(qweight, scales, group_size).bfloat16().float().T[:rows]
+    assert torch.equal(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size, True), expected)
+
+
 def test_native_gemm_keeps_float32_sums_where_the_cpu_has_bf16(cpu_kernels, monkeypatch):
     """On AVX512_BF16 CPUs (AVX-512 build) the kernels' own GEMM (AMX tiles or vdpbf16ps) runs by default: its float32
     sums are not rounded to bfloat16, so they differ from oneDNN's bfloat16 results; elsewhere the variable changes

@@ -95,18 +95,23 @@ __attribute__((target("avx512bf16"))) inline void dequantize_row_bf16_lookup(con
   widen_parameter_rows(w.scales, n * w.groups, w.groups, scales);
   widen_parameter_rows(w.offsets, n * w.groups, w.groups, offsets);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i low_nibble = _mm512_set1_epi32(0x0F), high_nibble = _mm512_set1_epi32(0xF0);
+  // Word j of the index holds byte j / 2 twice (that byte in both its halves): its bits 0-3 are then column j's
+  // nibble once even words are left as they are and odd ones shifted right by 4. vpermw reads bits 0-4, and bit 4
+  // (the other nibble's lowest bit) picks between two copies of the same 16 values. The 16 bytes go to every
+  // 128-bit lane and a byte shuffle within each lane spreads them: lane L's 8 words take bytes 4L .. 4L + 3.
+  alignas(64) static constexpr int8_t kSpread[64] = {
+      0,  0,  0,  0,  1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,  5,  5,
+      5,  5,  6,  6,  6,  6,  7,  7,  7,  7,  8,  8,  8,  8,  9,  9,  9,  9,  10, 10, 10, 10,
+      11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+  const __m512i spread = _mm512_load_si512(kSpread), odd_shift = _mm512_set1_epi32(4 << 16);
   const uint8_t* row = w.row(n);
-  // 32-bit lane j of the index: column 2j's nibble in its low half, column 2j + 1's in its high half.
   const auto lookup = [&](__m128i bytes, __m512i table) {
-    const __m512i wide = _mm512_cvtepu8_epi32(bytes);
-    const __m512i index = _mm512_or_si512(_mm512_and_si512(wide, low_nibble),
-                                          _mm512_slli_epi32(_mm512_and_si512(wide, high_nibble), 12));
-    return _mm512_permutexvar_epi16(index, table);
+    const __m512i doubled = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(bytes), spread);
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(doubled, odd_shift), table);
   };
   for (int64_t g = 0; g < w.groups; ++g) {
     const __m512 values = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scales[g])), _mm512_set1_ps(offsets[g]));
-    const __m512i table = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
     const int64_t last = std::min((g + 1) * w.group_size, w.K);
     int64_t k = g * w.group_size;
     for (; k + 32 <= last; k += 32) {
