@@ -310,6 +310,37 @@ def integer_w8_gemv_runs(cpu_kernels) -> bool:
     return integer_gemv_runs(cpu_kernels) and cpu_kernels.target.amx_int8
 
 
+def dot_w8_gemv_runs(cpu_kernels, rows: int, group_size: int, k: int) -> bool:
+    """Whether a bfloat16 / float16 x's w8 GEMV (with bf16_gemm) multiplies in bfloat16 here (gemv_int8_dot.h): 4 to
+    8 rows, one scale per row or groups of a multiple of 32 columns, where the kernels' own GEMMs run
+    (native_gemm_runs) and the integer GEMV does not. Its bound is the bfloat16 GEMM's."""
+    shape_fits = group_size >= k or group_size % 32 == 0
+    return (4 <= rows <= GEMV_ROWS and shape_fits and native_gemm_runs(cpu_kernels)
+            and not integer_w8_gemv_runs(cpu_kernels))
+
+
+@pytest.mark.parametrize("rows", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 200], ids=lambda size: f"group{size}")
+def test_w8_gemv_of_a_bfloat16_model_rounds_each_weight_once(rows, group_size, cpu_kernels, monkeypatch):
+    """A bfloat16 x's w8 GEMV rows (bf16_gemm): rows of the identity give back each weight dequantized as the layout
+    defines it and rounded to bfloat16 once, bit for bit, through the bfloat16 products (gemv_int8_dot.h) as through
+    the float32 GEMV; K = 200 ends in a partial chunk of 32 columns. Where the integer GEMV runs (AMX-INT8 CPUs: x
+    rounded to integers on a step of its own), within its bound."""
+    monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
+    k = 200
+    generator = torch.Generator().manual_seed(rows + group_size)
+    x = torch.eye(k)[:rows].bfloat16()
+    qweight, scales = w8_weight(45, k, group_size, torch.float16, generator)
+    output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size, True)
+    weight = dequantize_w8(qweight, scales, group_size)
+    if integer_w8_gemv_runs(cpu_kernels) and group_size >= k:
+        assert_within_int8_rounding(output, x, qweight, scales, None)
+    elif integer_w8_gemv_runs(cpu_kernels):
+        assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, None)
+    else:
+        assert torch.equal(output, weight.bfloat16().T[:rows])
+
+
 def decode_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Decode rows of a reduced-precision model, each of its own scale, the first with an outlier."""
     generator = torch.Generator().manual_seed(seed)

@@ -5,9 +5,10 @@ definition and (one scale per row) against the AMX-INT8 GEMM.
 Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
 exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
 derives for that GEMM (assert_within_int8_rounding). Where the integer GEMV does not run (another CPU or build, a
-float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies. Grouped weights have a bound of
-their own (assert_within_grouped_integer_rounding). On CPUs with both AMX-INT8 and AVX512_VNNI
-a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
+float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies, but for 4 to 8 rows on the
+other AVX512_BF16 CPUs, which multiply in bfloat16 (gemv_int8_dot.h) within the bfloat16 GEMM's bound. Grouped
+weights have a bound of their own (assert_within_grouped_integer_rounding). On CPUs with both AMX-INT8 and
+AVX512_VNNI a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.codegen.cpu.test_cpu_linear_quantized import (
     assert_within_int8_rounding,
     assert_within_rounding,
     decode_rows,
+    dot_w8_gemv_runs,
     int8_gemm_runs,
     integer_w8_gemv_runs,
     w8_weight,
@@ -31,7 +33,7 @@ from tests.codegen.cpu.test_cpu_linear_quantized import (
 SHAPES = [(37, 100), (13, 216), (960, 576), (96, 1536)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("n", "k"), SHAPES, ids=lambda value: str(value))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkeypatch):
@@ -44,7 +46,8 @@ def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkey
     if integer_w8_gemv_runs(cpu_kernels):
         assert_within_int8_rounding(output, x, qweight, scales, bias)
     else:
-        assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, w8=True)
+        assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, w8=True,
+                               bf16_gemm=dot_w8_gemv_runs(cpu_kernels, rows, k, k))
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
     assert_within_rounding(floating, x, dequantize_w8(qweight, scales, k), bias, w8=True)
@@ -68,7 +71,8 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
         if integer_w8_gemv_runs(cpu_kernels) and int8_gemm_runs(cpu_kernels):
             assert torch.equal(gemv, gemm[:rows])
         else:
-            assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True)
+            assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True,
+                                   bf16_gemm=dot_w8_gemv_runs(cpu_kernels, rows, k, k))
 
 
 # (N, K, group size): groups of 32 (GGUF's Q8_0, the w4 artifacts' embedding and lm_head) and 64; K = 200 ends
@@ -76,7 +80,7 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
 GROUPED_SHAPES = [(37, 200, 32), (960, 576, 32), (96, 1536, 64), (29, 384, 96)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("n", "k", "group_size"), GROUPED_SHAPES, ids=lambda value: str(value))
 @pytest.mark.parametrize(("dtype", "scale_dtype"), [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
                                                     (torch.bfloat16, torch.float32)], ids=["bf16", "fp16", "fp32s"])
@@ -92,7 +96,8 @@ def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype,
     if integer_w8_gemv_runs(cpu_kernels):
         assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, bias)
     else:
-        assert_within_rounding(output, x, weight, bias, w8=True)
+        assert_within_rounding(output, x, weight, bias, w8=True,
+                               bf16_gemm=dot_w8_gemv_runs(cpu_kernels, rows, group_size, k))
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
     assert_within_rounding(floating, x, weight, bias, w8=True)

@@ -126,7 +126,8 @@ NibbleRows nibble_rows(const Int4Matrix& w, const T* x, int64_t M) {
 // Adds scale * (the block sums of chunk c) for weight rows [n, n + R) and the M rows of x into acc. First asks for
 // each row's weight bytes kPrefetchBytes past this chunk's (the rows lie end to end: that is the stream
 // kPrefetchBytes ahead), one line a row, up to prefetch_end: spread over the chunks, not all of a block's at once.
-template <int M, int R>
+// Masked: the row's last, partial chunk (zeros past its bytes); the others load whole (see gemv_int4_vnni_block).
+template <int M, int R, bool Masked>
 __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
     const Int4Matrix& w, const NibbleRows& x, int64_t n, int64_t c, const float* scales, int64_t scale_stride,
     const uint8_t* prefetch_end, __m512 (&acc)[M][R]) {
@@ -141,7 +142,8 @@ __attribute__((target("avx512vnni"), always_inline)) inline void nibble_chunk(
   __m512i even[R], odd[R];
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
-    const __m512i bytes = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * row_bytes + c * 64);
+    const uint8_t* at = w.q + (n + r) * row_bytes + c * 64;
+    const __m512i bytes = Masked ? _mm512_maskz_loadu_epi8(mask, at) : _mm512_loadu_si512(at);
     even[r] = _mm512_and_si512(bytes, nibble);
     odd[r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
     scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * scale_stride + x.groups.first_group[c]));
@@ -183,9 +185,13 @@ __attribute__((target("avx512vnni"))) inline void gemv_int4_vnni_block(const Int
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < x.groups.chunks; ++c) {
-    nibble_chunk<M, R>(w, x, n, c, scales, w.groups, w.q + end * row_bytes, acc);
+  // GCC 12 keeps the accumulators in registers only while the loop has no masked load: with one, it stored all of
+  // them to memory at every chunk. So only the last, partial chunk is masked, after the loop.
+  const int64_t whole = row_bytes / 64;
+  for (int64_t c = 0; c < whole; ++c) {
+    nibble_chunk<M, R, false>(w, x, n, c, scales, w.groups, w.q + end * row_bytes, acc);
   }
+  if (whole < x.groups.chunks) nibble_chunk<M, R, true>(w, x, n, whole, scales, w.groups, w.q + end * row_bytes, acc);
   // The offsets' terms join the same accumulators, 16 groups at a time; past the row's last group the offsets are
   // taken as zeros (as the sums of x there are), not the next row's.
   for (int64_t g = 0; g < w.groups; g += 16) {
