@@ -268,7 +268,7 @@ at::Tensor vnni_linear(const Int4Weight& w, const at::Tensor& rows, const std::o
   return out;
 }
 
-// Whether a w8 GEMV with bf16_gemm on 3 to 8 bfloat16 or float16 rows takes the vdpbf16ps GEMV (gemv_int8_dot.h):
+// Whether a w8 GEMV with bf16_gemm on 4 to 8 bfloat16 or float16 rows takes the vdpbf16ps GEMV (gemv_int8_dot.h):
 // one scale per row or groups of whole 32-column blocks, a CPU with AVX512_BF16, no OCTAVO_CPU_W8_GEMV=float (the
 // integer GEMV of AMX-INT8 CPUs is asked first). On a Zen 5 (AVX512_BF16, no AMX), SmolLM2's w8 linears at 8 rows
 // of x: 0.7x the float32 GEMV's time (0.9x at 4 rows).
@@ -358,17 +358,15 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
     const QuantizedGemm choice = quantized_gemm_choice();
     if (choice != QuantizedGemm::kOneDnn) return gemm_linear(w, rows, b, choice).view(shape);
   }
+  // A reduced-precision model's GEMV rows: the integer GEMVs where they run, else (w8, 4 to 8 rows) the
+  // vdpbf16ps one.
+  const bool reduced_rows = M > 0 && M <= kGemvRows && N > 0 && bf16_gemm &&
+                            (rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf);
   if constexpr (!std::is_same_v<W, Fp8Weight>) {
-    const bool reduced = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
-    if (M > 0 && M <= kGemvRows && N > 0 && bf16_gemm && reduced && integer_gemv_usable(w)) {
-      return vnni_linear(w, rows, b).view(shape);
-    }
+    if (reduced_rows && integer_gemv_usable(w)) return vnni_linear(w, rows, b).view(shape);
   }
   if constexpr (std::is_same_v<W, Int8Weight>) {
-    const bool reduced = rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf;
-    if (M <= kGemvRows && N > 0 && bf16_gemm && reduced && dot_w8_gemv_usable(w, M)) {
-      return dot_linear(w, rows, b).view(shape);
-    }
+    if (reduced_rows && dot_w8_gemv_usable(w, M)) return dot_linear(w, rows, b).view(shape);
   }
 #else
   if (M > kGemvRows && bf16_gemm) quantized_gemm_choice();  // a bad value is refused on every build
