@@ -33,7 +33,6 @@ warm start loads the package in well under a second plus reading its weights.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -42,7 +41,6 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +48,7 @@ from torch.fx import GraphModule
 
 from octavo.cache_dir import cache_root
 from octavo.runtime.executor import GraphExecutor
+from octavo.runtime.inductor_patches import stable_int_array_declarations, without_extern_kernel_comments
 from octavo.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -206,7 +205,7 @@ def compile_package(eager: GraphExecutor, signature: dict, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Inductor freezes the graph (folds the weights in, prepacks them for oneDNN) only without autograd.
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as scratch, torch.no_grad(), \
-                _without_extern_kernel_comments():
+                without_extern_kernel_comments(), stable_int_array_declarations():
             args, kwargs = program.example_inputs
             files = torch._inductor.aot_compile(program.module(check_guards=False), args, kwargs, options={
                 "aot_inductor.package": True,  # return the generated files instead of loading the library
@@ -270,27 +269,6 @@ def _stage_library(files: list, directory: Path) -> None:
             raise CompilationUnavailableError(f"AOTInductor generated {len(found)} files *{suffix}, expected one")
         # The library holds the weights: moved, not copied, so that no second copy stays in Inductor's cache.
         (shutil.move if move else shutil.copyfile)(found[0], directory / target)
-
-
-@contextlib.contextmanager
-def _without_extern_kernel_comments() -> Iterator[None]:
-    """Inductor without the comment it writes above each call of an extern kernel in the C++ wrapper.
-
-    For that comment Inductor prints the graph fragment of every extern call (each linear, each
-    opaque op), then keeps only the names of its source nodes: 2 s of Python for SmolLM2's 151
-    calls, for a comment in generated code. Left as it is where this torch lacks the function.
-    """
-    from torch._inductor import ir
-
-    original = getattr(ir, "get_kernel_metadata", None)
-    if original is None:
-        yield
-        return
-    ir.get_kernel_metadata = lambda node, wrapper: ("", "")
-    try:
-        yield
-    finally:
-        ir.get_kernel_metadata = original
 
 
 def _decomposed_copy(graph_module: GraphModule) -> GraphModule:
