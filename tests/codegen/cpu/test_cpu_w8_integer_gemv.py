@@ -1,6 +1,6 @@
 """linear_w8's integer GEMV (gemv_int8_vnni.h): a bfloat16 / float16 model's decode rows, int8 weights with one
-scale per row or per group of a multiple of 32 columns, on AMX-INT8 CPUs (AVX-512 build), against the
-definition and (one scale per row) against the AMX-INT8 GEMM.
+scale per row or per group of a multiple of 32 columns, on AMX-INT8 CPUs and for 1 to 3 rows on other AVX512_VNNI
+CPUs (AVX-512 build), against the definition and (one scale per row) against the AMX-INT8 GEMM.
 
 Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
 exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
@@ -43,7 +43,7 @@ def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkey
     bias = torch.randn(n, generator=generator)
     qweight, scales = w8_weight(n, k, k, torch.float16, generator)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
-    if integer_w8_gemv_runs(cpu_kernels):
+    if integer_w8_gemv_runs(cpu_kernels, rows):
         assert_within_int8_rounding(output, x, qweight, scales, bias)
     else:
         assert_within_rounding(output, x, dequantize_w8(qweight, scales, k), bias, w8=True,
@@ -51,14 +51,14 @@ def test_integer_gemv_within_its_rounding(rows, n, k, dtype, cpu_kernels, monkey
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
     assert_within_rounding(floating, x, dequantize_w8(qweight, scales, k), bias, w8=True)
-    if integer_w8_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+    if integer_w8_gemv_runs(cpu_kernels, rows) and n * k >= 960 * 576:
         assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES, ids=lambda value: str(value))
 def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monkeypatch):
     """12 rows through the GEMM (AMX-INT8 here, else another path) and their first 1, 5 and 8 through the GEMV: the
-    same bits where both are the integer kernels."""
+    same bits where both are the integer kernels, else each within its own bound."""
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "")
     monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "")
     x = decode_rows(12, k, torch.bfloat16, n + k)
@@ -68,8 +68,10 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
     gemm = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, k, True)
     for rows in (1, 5, 8):
         gemv = torch.ops.octavo_cpu.linear_w8(x[:rows], qweight, scales, bias, k, True)
-        if integer_w8_gemv_runs(cpu_kernels) and int8_gemm_runs(cpu_kernels):
+        if integer_w8_gemv_runs(cpu_kernels, rows) and int8_gemm_runs(cpu_kernels):
             assert torch.equal(gemv, gemm[:rows])
+        elif integer_w8_gemv_runs(cpu_kernels, rows):
+            assert_within_int8_rounding(gemv, x[:rows], qweight, scales, bias)
         else:
             assert_within_rounding(gemv, x[:rows], dequantize_w8(qweight, scales, k), bias, w8=True,
                                    bf16_gemm=dot_w8_gemv_runs(cpu_kernels, rows, k, k))
@@ -93,7 +95,7 @@ def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype,
     qweight, scales = w8_weight(n, k, group_size, scale_dtype, generator)
     weight = dequantize_w8(qweight, scales, group_size)
     output = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
-    if integer_w8_gemv_runs(cpu_kernels):
+    if integer_w8_gemv_runs(cpu_kernels, rows):
         assert_within_grouped_integer_rounding(output, x, weight, weight.abs(), 1, bias)
     else:
         assert_within_rounding(output, x, weight, bias, w8=True,
@@ -101,7 +103,7 @@ def test_grouped_integer_gemv_within_its_rounding(rows, n, k, group_size, dtype,
     monkeypatch.setenv("OCTAVO_CPU_W8_GEMV", "float")
     floating = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, bias, group_size, True)
     assert_within_rounding(floating, x, weight, bias, w8=True)
-    if integer_w8_gemv_runs(cpu_kernels) and n * k >= 960 * 576:
+    if integer_w8_gemv_runs(cpu_kernels, rows) and n * k >= 960 * 576:
         assert not torch.equal(output, floating), "the integer GEMV rounds x, the float32 one does not"
 
 

@@ -22,8 +22,9 @@
 //   out = sum over k of x * weight (+ bias).
 // - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
 //   own, exact integer sums, scaled once (see gemm_amx_int8.h).
-// - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AMX-INT8 CPUs (gemv_int8_vnni.h): the
-//   AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to integers, exact sums, scaled once);
+// - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AMX-INT8 CPUs (and 1 to 3 rows on other
+//   AVX512_VNNI CPUs; gemv_int8_vnni.h): the AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to
+//   integers, exact sums, scaled once);
 //   groups of a multiple of 32 columns there: exact integer sums per 4 columns, scaled by their group's scale and
 //   summed in float32, times x's step.
 // - w4 GEMV with bf16_gemm on bfloat16 / float16 rows, groups of a multiple of 32 columns, AVX512_VNNI CPUs
@@ -41,7 +42,8 @@
 // (relative error 2^-8 each), products summed in float32 (AMX tiles, vdpbf16ps or oneDNN), the bias added in
 // float32; oneDNN's result is rounded to bfloat16 once more and widened, the AMX and vdpbf16ps ones stay float32
 // (per-row int8 weights on AMX-INT8 CPUs take the integer GEMM instead). Only the rows above kGemvRows are
-// affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs or 4-bit weights in groups of
+// affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs (1 to 3 rows on other
+// AVX512_VNNI CPUs) or 4-bit weights in groups of
 // a multiple of 32 on AVX512_VNNI CPUs (the integer GEMVs), and its 4 to 8 GEMV rows with int8 weights on other
 // AVX512_BF16 CPUs (gemv_int8_dot.h); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
@@ -223,12 +225,15 @@ bool float_gemv_asked(const char* variable) {
 #if defined(CPU_CAPABILITY_AVX512)
 // Whether a w8 GEMV with bf16_gemm on bfloat16 or float16 rows (a reduced-precision model's decode; a float32 x
 // keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row or groups of whole
-// 32-column blocks, K within its exact int32 range, a CPU with AMX-INT8 (and so AVX512_VNNI), and no
-// OCTAVO_CPU_W8_GEMV=float. Where AMX-INT8 runs the GEMM's integer arithmetic, the GEMV's rows share it and it
-// measured faster than the float32 GEMV (SmolLM2 w8 on a Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step);
-// on a Zen 5 with AVX512_VNNI and no AMX the float32 GEMV measured faster (4.2-4.4 against 4.7-4.8 ms).
-bool integer_w8_gemv_usable(const Int8Weight& w) {
-  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && amx_int8_usable() &&
+// 32-column blocks, K within its exact int32 range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float; on CPUs
+// with AMX-INT8 for every GEMV row (the GEMM above them runs the same integer arithmetic), elsewhere for fewer rows
+// than the vdpbf16ps GEMV takes. It spends a vpdpbusd per 64 weight bytes and row where the float32 GEMV spends four
+// widenings and four multiply-adds: measured faster where the CPU's instructions bound the step (SmolLM2 w8 on a
+// Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step; on a Zen 5 in a slow hour, 1 and 2 rows 0.77-0.87x the
+// float32 GEMV's time, the one-row graph 0.87x) and level with it where memory does (the same Zen 5 in a fast hour;
+// before the kernel's per-call preparation of x was vectorized, 4.7-4.8 against the float32 GEMV's 4.2-4.4 ms).
+bool integer_w8_gemv_usable(const Int8Weight& w, int64_t M) {
+  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && (amx_int8_usable() || M < kDotGemvMinRows) &&
          int8_vnni_shape_fits(w.K, w.group_size, w.groups);
 }
 
@@ -294,8 +299,8 @@ at::Tensor dot_linear(const Int8Weight& w, const at::Tensor& rows, const std::op
 }
 
 template <typename W>
-bool integer_gemv_usable(const W& w) {
-  if constexpr (std::is_same_v<W, Int8Weight>) return integer_w8_gemv_usable(w);
+bool integer_gemv_usable(const W& w, int64_t M) {
+  if constexpr (std::is_same_v<W, Int8Weight>) return integer_w8_gemv_usable(w, M);
   if constexpr (std::is_same_v<W, Int4Weight>) return integer_w4_gemv_usable(w);
   return false;
 }
@@ -363,7 +368,7 @@ at::Tensor run_linear(const char* name, const at::Tensor& input, const W& w, con
   const bool reduced_rows = M > 0 && M <= kGemvRows && N > 0 && bf16_gemm &&
                             (rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kHalf);
   if constexpr (!std::is_same_v<W, Fp8Weight>) {
-    if (reduced_rows && integer_gemv_usable(w)) return vnni_linear(w, rows, b).view(shape);
+    if (reduced_rows && integer_gemv_usable(w, M)) return vnni_linear(w, rows, b).view(shape);
   }
   if constexpr (std::is_same_v<W, Int8Weight>) {
     if (reduced_rows && dot_w8_gemv_usable(w, M)) return dot_linear(w, rows, b).view(shape);
