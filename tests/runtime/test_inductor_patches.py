@@ -24,7 +24,7 @@ def test_every_buffer_declares_the_int_arrays_it_uses():
         wrapper = CppWrapperCpu()
         names = [wrapper.codegen_int_array_var("{4, 8}", buffer.writeline) for buffer in buffers]
         again = wrapper.codegen_int_array_var("{4, 8}", buffers[0].writeline)
-    for name, buffer in zip(names, buffers):
+    for name, buffer in zip(names, buffers, strict=True):
         assert f"{name}[] = {{4, 8}};" in buffer.getvalue(), (name, buffer.getvalue())
     assert len(set(names)) == len(buffers)
     assert again == names[0]  # within one buffer the declaration is still shared

@@ -6,9 +6,9 @@ it (prompts of more than 8 tokens take the quantized GEMM, which multiplies the 
 x's rows as 16-bit integers on CPUs with AMX-INT8) and with OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16 (weights
 dequantized to bfloat16 tiles). Both hold the same weights and differ only in how the GEMM rounds x:
 tests/codegen/cpu/engine_pairs.py states what must agree. The steps of up to 8 rows likewise: as users get them
-(the integer GEMVs: for int8 weights on AMX-INT8 CPUs, for 4-bit weights in groups of 32 on AVX512_VNNI ones; the
-bfloat16 GEMV for int8 weights at 4 to 8 rows on other AVX512_BF16 CPUs) against OCTAVO_CPU_W8_GEMV=float /
-OCTAVO_CPU_W4_GEMV=float.
+(the integer GEMVs: for int8 weights on AMX-INT8 CPUs and up to 5 rows on other AVX512_VNNI ones, for 4-bit weights
+in groups of 32 on AVX512_VNNI ones; the bfloat16 GEMV for the other int8 rows from 4 to 8 on AVX512_BF16 CPUs)
+against OCTAVO_CPU_W8_GEMV=float / OCTAVO_CPU_W4_GEMV=float.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_default_engine_runs_int8_weights_as_the_dequantizing_gemm_does(model_di
     largest_difference = largest_logit_difference(default, dequantizing, "OCTAVO_CPU_W8_GEMV", "float", models,
                                                   prompts, DECODE_TOKENS, monkeypatch)
     # They differ where the integer GEMV runs (the decode steps' 1 to 3 rows take it on every AVX512_VNNI CPU), and
-    # where the 5-row prompt takes the bfloat16 GEMV (one scale per row).
+    # where the 5-row prompt takes the bfloat16 GEMV (one scale per row) instead.
     bf16_rows = dot_w8_gemv_runs(cpu_kernels, min(DECODE_PROMPT_LENGTHS), group_size=64, k=64)
     assert (largest_difference > 0) == (integer_w8_gemv_runs(cpu_kernels, rows=1) or bf16_rows)
 

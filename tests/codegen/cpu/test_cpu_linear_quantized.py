@@ -307,8 +307,8 @@ def integer_gemv_runs(cpu_kernels) -> bool:
 
 def integer_w8_gemv_runs(cpu_kernels, rows: int) -> bool:
     """Whether the w8 GEMV of `rows` rows of x does (gemv_int8_vnni.h): the same, on a CPU with AMX-INT8 (every
-    GEMV row) or, on other CPUs with AVX512_VNNI, for 1 to 3 rows."""
-    return integer_gemv_runs(cpu_kernels) and (cpu_kernels.target.amx_int8 or rows < 4)
+    GEMV row) or, on other CPUs with AVX512_VNNI, for 1 to 5 rows."""
+    return integer_gemv_runs(cpu_kernels) and (cpu_kernels.target.amx_int8 or rows <= 5)
 
 
 def dot_w8_gemv_runs(cpu_kernels, rows: int, group_size: int, k: int) -> bool:

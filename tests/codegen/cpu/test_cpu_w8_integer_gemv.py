@@ -1,12 +1,12 @@
 """linear_w8's integer GEMV (gemv_int8_vnni.h): a bfloat16 / float16 model's decode rows, int8 weights with one
-scale per row or per group of a multiple of 32 columns, on AMX-INT8 CPUs and for 1 to 3 rows on other AVX512_VNNI
+scale per row or per group of a multiple of 32 columns, on AMX-INT8 CPUs and for 1 to 5 rows on other AVX512_VNNI
 CPUs (AVX-512 build), against the definition and (one scale per row) against the AMX-INT8 GEMM.
 
 Its arithmetic is the AMX-INT8 GEMM's (gemm_amx_int8.h): each row of x rounded to 16-bit integers on its own step,
 exact int32 sums, the same float32 steps after them; the bound is therefore the one test_cpu_linear_quantized.py
 derives for that GEMM (assert_within_int8_rounding). Where the integer GEMV does not run (another CPU or build, a
-float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies, but for 4 to 8 rows on the
-other AVX512_BF16 CPUs, which multiply in bfloat16 (gemv_int8_dot.h) within the bfloat16 GEMM's bound. Grouped
+float32 x, other groups, OCTAVO_CPU_W8_GEMV=float) the float32 GEMV's bound applies, but for the rows from 4 to 8 it
+leaves on AVX512_BF16 CPUs, which multiply in bfloat16 (gemv_int8_dot.h) within the bfloat16 GEMM's bound. Grouped
 weights have a bound of their own (assert_within_grouped_integer_rounding). On CPUs with both AMX-INT8 and
 AVX512_VNNI a row's result is the same bits whether it goes through the GEMV (up to 8 rows) or the GEMM (more).
 """
@@ -29,8 +29,8 @@ from tests.codegen.cpu.test_cpu_linear_quantized import (
 )
 
 # (N, K): N no multiple of the 4 weight rows a step takes; K no multiple of the 64 bytes an instruction reads
-# (100, 216), SmolLM2's q/k/v and down shapes.
-SHAPES = [(37, 100), (13, 216), (960, 576), (96, 1536)]
+# (100, 216; 40, all of it in the last, partial read), SmolLM2's q/k/v and down shapes.
+SHAPES = [(37, 100), (13, 216), (7, 40), (960, 576), (96, 1536)]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
@@ -78,8 +78,8 @@ def test_a_row_is_the_same_through_the_gemv_and_the_gemm(n, k, cpu_kernels, monk
 
 
 # (N, K, group size): groups of 32 (GGUF's Q8_0, the w4 artifacts' embedding and lm_head) and 64; K = 200 ends
-# inside a group and a 64-column chunk; groups of 96 span chunks.
-GROUPED_SHAPES = [(37, 200, 32), (960, 576, 32), (96, 1536, 64), (29, 384, 96)]
+# inside a group and a 64-column chunk, K = 40 inside the first chunk; groups of 96 span chunks.
+GROUPED_SHAPES = [(37, 200, 32), (11, 40, 32), (960, 576, 32), (96, 1536, 64), (29, 384, 96)]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])

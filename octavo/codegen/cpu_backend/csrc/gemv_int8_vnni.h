@@ -5,15 +5,20 @@
 //
 // Each row of x is rounded to 16-bit integers on its own step (the GEMM's split_rows: xi = 256 * high + low,
 // |xi * step - x| <= step / 2 plus float32 roundings), and for each weight row the exact int32 sums of high * q
-// and low * q are formed by vpdpbusd (unsigned byte times signed byte, four products a lane). The instruction
-// wants the unsigned operand first: the low bytes are, the signed high bytes go in as high + 128 and 128 * (sum of q) is taken back out of
-// that sum (also exact). Then, as the AMX GEMM does, out = (256 * float(high sum) + float(low sum)) * (step * scale)
-// + bias, each operation rounded to float32 once, and the result rounded to x's dtype once. Against the
-// definition the error is that of the AMX GEMM (gemm_amx_int8.h): x's rounding, 2^-16 of its row's largest value
-// per term, and a few float32 roundings.
+// and low * q are formed by vpdpbusd (unsigned byte times signed byte, four products a lane). The low bytes are
+// unsigned and q is signed: low * q goes in as it is. For high * q (both signed) the weight is made unsigned,
+// q + 128 (its top bit flipped), against the signed high byte, and 128 * (sum of high) is taken back out: that
+// correction is x's alone, one number per row of x and call (per 4-column lane for grouped weights), where making
+// high unsigned instead needed the sum of q of every weight row, a third vpdpbusd per 64 bytes. Both sums are
+// exact, the same integers as the AMX GEMM's. Then, as the AMX GEMM does, out = (256 * float(high sum) +
+// float(low sum)) * (step * scale) + bias, each operation rounded to float32 once, and the result rounded to x's
+// dtype once. Against the definition the error is that of the AMX GEMM (gemm_amx_int8.h): x's rounding, 2^-16 of
+// its row's largest value per term, and a few float32 roundings.
 //
-// Per 64 weight bytes: one load and three vpdpbusd (high, low, the sum of q) against about twelve widening and
-// multiply-add instructions of the float32 GEMV, which held it to ~15 GB/s on a decode step's cold weights.
+// Per 64 weight bytes and row of W: one load, one xor and two vpdpbusd against about twelve widening and
+// multiply-add instructions of the float32 GEMV. The loop loads without masks but for the last, partial 64 bytes
+// (a mask computed at every step cost a quarter of the kernel's time), and each block of rows asks for the weight
+// bytes kPrefetchBytes ahead once, as the float32 GEMV does.
 #pragma once
 
 #include "gemm_amx_int8.h"
@@ -34,55 +39,50 @@ inline bool cpu_has_avx512_vnni() {
   return present;
 }
 
-// Rows [n, n + R) of q against the M rows of x's planes (split_rows: columns past K hold stale values, which meet
-// the zeros the masked load gives q there): high[r][m] = sum of (high + 128) * q (the signed high byte made
-// unsigned by flipping its top bit), low[r][m] = sum of low * q, ones[r] = sum of q, each in 16 int32 lanes
-// (added across lanes by the caller).
-// Each 64-byte step first asks for each row's weight bytes kPrefetchBytes past it (the rows lie end to end: that is
-// the stream kPrefetchBytes ahead), up to prefetch_end: spread over the row, not all of a block's lines at once.
-template <int M, int R>
-__attribute__((target("avx512vnni"), always_inline)) inline void vnni_row_sums(
-    const int8_t* q, int64_t K, const SplitRows& x, int64_t n, const int8_t* prefetch_end, __m512i (&high)[R][M],
-    __m512i (&low)[R][M], __m512i (&ones)[R]) {
-  const __m512i one = _mm512_set1_epi8(1), top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+// One 64-byte step of rows [n, n + R) of q from column k against the M rows of x's planes: high[r][m] += the lane
+// sums of (q + 128) * high, low[r][m] += those of low * q. Masked: the step ends at K (the bytes past it are loaded
+// as zeros, q + 128 is zero there too, so the stale columns of x's planes add nothing).
+template <int M, int R, bool Masked>
+__attribute__((target("avx512vnni"), always_inline)) inline void vnni_step(const int8_t* q, int64_t K,
+                                                                         const SplitRows& x, int64_t n, int64_t k,
+                                                                         __mmask64 mask, __m512i (&high)[R][M],
+                                                                         __m512i (&low)[R][M]) {
+  const __m512i top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = Masked ? _mm512_maskz_mov_epi8(mask, top_bit) : top_bit;
+  __m512i w[R], unsigned_w[R];
   for (int r = 0; r < R; ++r) {
-    ones[r] = _mm512_setzero_si512();
-    for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
+    const int8_t* row = q + (n + r) * K + k;
+    w[r] = Masked ? _mm512_maskz_loadu_epi8(mask, row) : _mm512_loadu_si512(row);
+    unsigned_w[r] = _mm512_xor_si512(w[r], flip);
   }
-  for (int64_t k = 0; k < K; k += 64) {
+  for (int m = 0; m < M; ++m) {
+    const __m512i h = _mm512_loadu_si512(x.high + m * x.Kpad + k);
+    const __m512i l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
     for (int r = 0; r < R; ++r) {
-      const int8_t* ahead = q + (n + r) * K + k + kPrefetchBytes;
-      if (ahead < prefetch_end) __builtin_prefetch(ahead);
-    }
-    const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-    __m512i w[R];
-    for (int r = 0; r < R; ++r) {
-      w[r] = _mm512_maskz_loadu_epi8(mask, q + (n + r) * K + k);
-      ones[r] = _mm512_dpbusd_epi32(ones[r], one, w[r]);
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m512i h = _mm512_xor_si512(_mm512_loadu_si512(x.high + m * x.Kpad + k), top_bit);
-      const __m512i l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
-      for (int r = 0; r < R; ++r) {
-        high[r][m] = _mm512_dpbusd_epi32(high[r][m], h, w[r]);
-        low[r][m] = _mm512_dpbusd_epi32(low[r][m], l, w[r]);
-      }
+      high[r][m] = _mm512_dpbusd_epi32(high[r][m], unsigned_w[r], h);
+      low[r][m] = _mm512_dpbusd_epi32(low[r][m], l, w[r]);
     }
   }
 }
 
-// out[m, n + r] for the weight rows [n, n + R) and the M rows of x.
+// out[m, n + r] for the weight rows [n, n + R) and the M rows of x; high_sums[m] = the sum of row m's high bytes
+// over K. First asks for the weight bytes kPrefetchBytes past the block's, up to prefetch_end.
 template <typename T, int M, int R>
 __attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int8Matrix& w, const SplitRows& x,
-                                                                       const float* bias, T* out, int64_t n,
-                                                                       const int8_t* prefetch_end) {
-  __m512i high[R][M], low[R][M], ones[R];
-  vnni_row_sums<M, R>(w.q, w.K, x, n, prefetch_end, high, low, ones);
+                                                                       const int32_t* high_sums, const float* bias,
+                                                                       T* out, int64_t n, const int8_t* prefetch_end) {
+  const int64_t K = w.K;
+  prefetch_span(w.q + n * K + kPrefetchBytes, w.q + (n + R) * K + kPrefetchBytes, prefetch_end);
+  __m512i high[R][M], low[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) vnni_step<M, R, false>(w.q, K, x, n, k, 0, high, low);
+  if (k < K) vnni_step<M, R, true>(w.q, K, x, n, k, (__mmask64(1) << (K - k)) - 1, high, low);
   for (int r = 0; r < R; ++r) {
-    const int32_t q_sum = _mm512_reduce_add_epi32(ones[r]);
     const float scale = w.scales[n + r];
     for (int m = 0; m < M; ++m) {
-      const int32_t high_sum = _mm512_reduce_add_epi32(high[r][m]) - 128 * q_sum;
+      const int32_t high_sum = _mm512_reduce_add_epi32(high[r][m]) - 128 * high_sums[m];
       const int32_t low_sum = _mm512_reduce_add_epi32(low[r][m]);
       const float sum = std::fma(static_cast<float>(high_sum), 256.f, static_cast<float>(low_sum));
       out[m * w.N + n + r] = static_cast<T>(std::fma(sum, x.step[m] * scale, bias ? bias[n + r] : 0.f));
@@ -92,12 +92,24 @@ __attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int
 
 // Weight rows [begin, end), R at a time, the last few one at a time.
 template <typename T, int M, int R>
-void gemv_int8_vnni_range(const Int8Matrix& w, const SplitRows& x, const float* bias, T* out, int64_t begin,
-                          int64_t end) {
+void gemv_int8_vnni_range(const Int8Matrix& w, const SplitRows& x, const int32_t* high_sums, const float* bias,
+                          T* out, int64_t begin, int64_t end) {
   const int8_t* prefetch_end = w.q + end * w.K;
   int64_t n = begin;
-  for (; n + R <= end; n += R) gemv_int8_vnni_block<T, M, R>(w, x, bias, out, n, prefetch_end);
-  for (; n < end; ++n) gemv_int8_vnni_block<T, M, 1>(w, x, bias, out, n, prefetch_end);
+  for (; n + R <= end; n += R) gemv_int8_vnni_block<T, M, R>(w, x, high_sums, bias, out, n, prefetch_end);
+  for (; n < end; ++n) gemv_int8_vnni_block<T, M, 1>(w, x, high_sums, bias, out, n, prefetch_end);
+}
+
+// The sum of high[0:K] (|sum| <= 128 K, exact).
+__attribute__((target("avx512vnni"))) inline int32_t high_byte_sum(const int8_t* high, int64_t K) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i total = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) total = _mm512_dpbusd_epi32(total, ones, _mm512_loadu_si512(high + k));
+  if (k < K) {
+    total = _mm512_dpbusd_epi32(total, ones, _mm512_maskz_loadu_epi8((__mmask64(1) << (K - k)) - 1, high + k));
+  }
+  return _mm512_reduce_add_epi32(total);
 }
 
 template <typename T, int M>
@@ -105,8 +117,10 @@ void gemv_int8_vnni_rows(const Int8Matrix& w, const SplitRows& x, const float* b
   constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t blocks = (w.N + R - 1) / R;
   const int64_t grain = std::max<int64_t>(1, kGemvTaskBytes / std::max<int64_t>(w.K * R, 1));
+  int32_t high_sums[M];
+  for (int m = 0; m < M; ++m) high_sums[m] = high_byte_sum(x.high + m * x.Kpad, w.K);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    gemv_int8_vnni_range<T, M, R>(w, x, bias, out, begin * R, std::min(end * R, w.N));
+    gemv_int8_vnni_range<T, M, R>(w, x, high_sums, bias, out, begin * R, std::min(end * R, w.N));
   });
 }
 
@@ -115,32 +129,33 @@ void gemv_int8_vnni_rows(const Int8Matrix& w, const SplitRows& x, const float* b
 // block is 8 lanes), each lane's exact sum of q * xi (|sum| <= 4 * 128 * 32767 < 2^24, so widened exactly) times
 // its group's scale into float32 accumulators, then out = step * (their sum) + bias, rounded to x's dtype.
 
-// Adds scale * (the lane sums of chunk c) for the weight rows [n, n + R) and the M rows of x into acc; first asks
-// for each row's weight bytes kPrefetchBytes past this chunk's, up to prefetch_end.
-template <int M, int R>
+// Adds scale * (the lane sums of chunk c) for the weight rows [n, n + R) and the M rows of x into acc. The high
+// sums as in vnni_step, with 128 * (the lane's sum of high) taken back out; Masked: the chunk ends at K, and x's
+// high plane is loaded masked too (past K it is stale, and that correction is x's alone).
+template <int M, int R, bool Masked>
 __attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_chunk(
-    const Int8Matrix& w, const SplitRows& x, const ChunkGroups& groups, int64_t n, int64_t c, const float* scales,
-    int64_t scale_stride, const int8_t* prefetch_end, __m512 (&acc)[M][R]) {
-  const int64_t K = w.K, left = K - c * 64;
-  for (int r = 0; r < R; ++r) {
-    const int8_t* ahead = w.q + (n + r) * K + c * 64 + kPrefetchBytes;
-    if (ahead < prefetch_end) __builtin_prefetch(ahead);
-  }
-  const __mmask64 mask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-  const __m512i one = _mm512_set1_epi8(1), top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+    const Int8Matrix& w, const SplitRows& x, const ChunkGroups& groups, int64_t n, int64_t c, __mmask64 mask,
+    const float* scales, int64_t scale_stride, __m512 (&acc)[M][R]) {
+  const int64_t K = w.K;
+  const __m512i top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = Masked ? _mm512_maskz_mov_epi8(mask, top_bit) : top_bit;
   const __m512i lane_group = _mm512_loadu_si512(groups.lane_group + c * 16);
-  __m512i q[R], q_sums[R];
+  __m512i q[R], unsigned_q[R];
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
-    q[r] = _mm512_maskz_loadu_epi8(mask, w.q + (n + r) * K + c * 64);
-    q_sums[r] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, q[r]), 7);  // 128 * sum of q
+    const int8_t* row = w.q + (n + r) * K + c * 64;
+    q[r] = Masked ? _mm512_maskz_loadu_epi8(mask, row) : _mm512_loadu_si512(row);
+    unsigned_q[r] = _mm512_xor_si512(q[r], flip);
     scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * scale_stride + groups.first_group[c]));
   }
   for (int m = 0; m < M; ++m) {
-    const __m512i high = _mm512_xor_si512(_mm512_loadu_si512(x.high + m * x.Kpad + c * 64), top_bit);
+    const int8_t* hp = x.high + m * x.Kpad + c * 64;
+    const __m512i high = Masked ? _mm512_maskz_loadu_epi8(mask, hp) : _mm512_loadu_si512(hp);
     const __m512i low = _mm512_loadu_si512(x.low + m * x.Kpad + c * 64);
+    const __m512i high_128 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), top_bit, high);  // 128 * lane sum of high
     for (int r = 0; r < R; ++r) {
-      const __m512i high_sum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, q[r]), q_sums[r]);
+      const __m512i flipped_sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned_q[r], high);
+      const __m512i high_sum = _mm512_sub_epi32(flipped_sum, high_128);
       const __m512i sum = _mm512_dpbusd_epi32(_mm512_slli_epi32(high_sum, 8), low, q[r]);
       acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[r], acc[m][r]);
     }
@@ -165,8 +180,12 @@ __attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8M
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < groups.chunks; ++c) {
-    grouped_int8_chunk<M, R>(w, x, groups, n, c, scales, w.groups, w.q + end * w.K, acc);
+  prefetch_span(w.q + n * w.K + kPrefetchBytes, w.q + (n + R) * w.K + kPrefetchBytes, w.q + end * w.K);
+  const int64_t full = w.K / 64;
+  for (int64_t c = 0; c < full; ++c) grouped_int8_chunk<M, R, false>(w, x, groups, n, c, 0, scales, w.groups, acc);
+  if (full < groups.chunks) {
+    grouped_int8_chunk<M, R, true>(w, x, groups, n, full, (__mmask64(1) << (w.K - full * 64)) - 1, scales, w.groups,
+                                   acc);
   }
   for (int m = 0; m < M; ++m) {
     float totals[R];

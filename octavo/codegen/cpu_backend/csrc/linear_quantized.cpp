@@ -22,7 +22,7 @@
 //   out = sum over k of x * weight (+ bias).
 // - w8 AMX-INT8 GEMM (per-row scales, bf16_gemm, AMX-INT8 CPUs): x's rows rounded to integers on a step of their
 //   own, exact integer sums, scaled once (see gemm_amx_int8.h).
-// - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AMX-INT8 CPUs (and 1 to 3 rows on other
+// - w8 GEMV with bf16_gemm on bfloat16 / float16 rows, per-row scales, AMX-INT8 CPUs (and 1 to 5 rows on other
 //   AVX512_VNNI CPUs; gemv_int8_vnni.h): the AMX-INT8 GEMM's integer arithmetic, bit for bit (x's rows rounded to
 //   integers, exact sums, scaled once);
 //   groups of a multiple of 32 columns there: exact integer sums per 4 columns, scaled by their group's scale and
@@ -30,7 +30,7 @@
 // - w4 GEMV with bf16_gemm on bfloat16 / float16 rows, groups of a multiple of 32 columns, AVX512_VNNI CPUs
 //   (gemv_int4_vnni.h): x's rows rounded to integers as above, exact integer sums per group, then
 //   out = step * (sum over groups of scale * sum(q * xi) + offset * sum(xi)) (+ bias) in float32.
-// - w8 GEMV with bf16_gemm on 4 to 8 bfloat16 / float16 rows, per-row scales or groups of a multiple of 32 columns,
+// - w8 GEMV with bf16_gemm on 4 (6 where the integer GEMV runs) to 8 bfloat16 / float16 rows, per-row scales or groups of a multiple of 32 columns,
 //   AVX512_BF16 CPUs where the integer GEMV does not run (gemv_int8_dot.h): the vdpbf16ps GEMM's arithmetic below
 //   (each weight dequantized as the layout defines it and rounded to bfloat16, x rounded to bfloat16, exact
 //   products summed in float32 in 16 lanes, the lanes added at the end), the result rounded to x's dtype once.
@@ -42,9 +42,9 @@
 // (relative error 2^-8 each), products summed in float32 (AMX tiles, vdpbf16ps or oneDNN), the bias added in
 // float32; oneDNN's result is rounded to bfloat16 once more and widened, the AMX and vdpbf16ps ones stay float32
 // (per-row int8 weights on AMX-INT8 CPUs take the integer GEMM instead). Only the rows above kGemvRows are
-// affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs (1 to 3 rows on other
+// affected, and a bfloat16 / float16 x's GEMV rows with int8 weights on AMX-INT8 CPUs (1 to 5 rows on other
 // AVX512_VNNI CPUs) or 4-bit weights in groups of
-// a multiple of 32 on AVX512_VNNI CPUs (the integer GEMVs), and its 4 to 8 GEMV rows with int8 weights on other
+// a multiple of 32 on AVX512_VNNI CPUs (the integer GEMVs), and its other GEMV rows (up to 8) with int8 weights on
 // AVX512_BF16 CPUs (gemv_int8_dot.h); the GEMV is float32 otherwise.
 #include "gemm_amx_dequantizing.h"
 #include "gemm_amx_int8.h"
@@ -223,17 +223,19 @@ bool float_gemv_asked(const char* variable) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kIntegerW8GemvRows = 5;  // GEMV rows of the integer w8 kernel on CPUs without AMX-INT8
+
 // Whether a w8 GEMV with bf16_gemm on bfloat16 or float16 rows (a reduced-precision model's decode; a float32 x
 // keeps the float32 GEMV) takes the integer kernel (gemv_int8_vnni.h): one scale per row or groups of whole
 // 32-column blocks, K within its exact int32 range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float; on CPUs
-// with AMX-INT8 for every GEMV row (the GEMM above them runs the same integer arithmetic), elsewhere for fewer rows
-// than the vdpbf16ps GEMV takes. It spends a vpdpbusd per 64 weight bytes and row where the float32 GEMV spends four
-// widenings and four multiply-adds: measured faster where the CPU's instructions bound the step (SmolLM2 w8 on a
-// Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step; on a Zen 5 in a slow hour, 1 and 2 rows 0.77-0.87x the
-// float32 GEMV's time, the one-row graph 0.87x) and level with it where memory does (the same Zen 5 in a fast hour;
-// before the kernel's per-call preparation of x was vectorized, 4.7-4.8 against the float32 GEMV's 4.2-4.4 ms).
+// with AMX-INT8 for every GEMV row (the GEMM above them runs the same integer arithmetic), elsewhere for up to
+// kIntegerW8GemvRows rows (the vdpbf16ps GEMV takes the rest on AVX512_BF16 CPUs). It spends two vpdpbusd per 64
+// weight bytes and row where the float32 GEMV spends four widenings and four multiply-adds: measured faster where the
+// CPU's instructions bound the step (SmolLM2 w8 on a Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step; SmolLM2's
+// 120 w8 linears on a Zen 5 in a slow hour, 0.63-0.89x the float32 GEMV's time at 1 row, 0.74-0.76x at 3, and
+// 0.74-0.98x the vdpbf16ps GEMV's at 4 and 5 rows, level at 6, 1.07x at 8).
 bool integer_w8_gemv_usable(const Int8Weight& w, int64_t M) {
-  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && (amx_int8_usable() || M < kDotGemvMinRows) &&
+  return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && (amx_int8_usable() || M <= kIntegerW8GemvRows) &&
          int8_vnni_shape_fits(w.K, w.group_size, w.groups);
 }
 
