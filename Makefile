@@ -23,7 +23,8 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.octavo-installed
 COMPAT_TESTS := tests/frontend tests/ir tests/passes tests/codegen/triton tests/runtime/test_engine.py \
-                tests/runtime/test_compiled_executor.py tests/runtime/test_loader.py tests/test_architectures.py \
+                tests/runtime/test_compiled_executor.py tests/runtime/test_inductor_patches.py tests/runtime/test_loader.py \
+                tests/test_architectures.py \
                 tests/codegen/cpu/test_cpu_engine.py tests/runtime/test_warmup.py tests/runtime/test_model_runner.py \
                 tests/bench/test_random_model.py
 
