@@ -28,7 +28,7 @@ from tests.codegen.cpu.test_cpu_linear_quantized import (
     w8_weight,
 )
 
-# (N, K): N no multiple of the 4 weight rows a step takes; K no multiple of the 64 bytes an instruction reads
+# (N, K): N no multiple of the 2 or 4 weight rows a block takes; K no multiple of the 64 bytes an instruction reads
 # (100, 216; 40, all of it in the last, partial read), SmolLM2's q/k/v and down shapes.
 SHAPES = [(37, 100), (13, 216), (7, 40), (960, 576), (96, 1536)]
 
