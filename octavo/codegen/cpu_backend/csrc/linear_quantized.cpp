@@ -232,8 +232,8 @@ constexpr int64_t kIntegerW8GemvRows = 5;  // GEMV rows of the integer w8 kernel
 // kIntegerW8GemvRows rows (the vdpbf16ps GEMV takes the rest on AVX512_BF16 CPUs). It spends two vpdpbusd per 64
 // weight bytes and row where the float32 GEMV spends four widenings and four multiply-adds: measured faster where the
 // CPU's instructions bound the step (SmolLM2 w8 on a Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step; SmolLM2's
-// 120 w8 linears on a Zen 5 in a slow hour, 0.63-0.89x the float32 GEMV's time at 1 row, 0.74-0.76x at 3, and
-// 0.74-0.98x the vdpbf16ps GEMV's at 4 and 5 rows, level at 6, 1.07x at 8).
+// 120 w8 linears on a Zen 5 in a slow hour, 0.56x the float32 GEMV's time at 1 row, 0.57-0.65x at 2, 0.70-0.98x
+// at 3, and 0.74-0.98x the vdpbf16ps GEMV's at 4 and 5 rows, level at 6, 1.07x at 8).
 bool integer_w8_gemv_usable(const Int8Weight& w, int64_t M) {
   return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && (amx_int8_usable() || M <= kIntegerW8GemvRows) &&
          int8_vnni_shape_fits(w.K, w.group_size, w.groups);
