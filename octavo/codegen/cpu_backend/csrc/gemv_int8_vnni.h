@@ -16,9 +16,10 @@
 // its row's largest value per term, and a few float32 roundings.
 //
 // Per 64 weight bytes and row of W: one load, one xor and two vpdpbusd against about twelve widening and
-// multiply-add instructions of the float32 GEMV. The loop loads without masks but for the last, partial 64 bytes
-// (a mask computed at every step cost a quarter of the kernel's time), and each block of rows asks for the weight
-// bytes kPrefetchBytes ahead once, as the float32 GEMV does.
+// multiply-add instructions of the float32 GEMV. The loop loads without masks but for the last, partial 64 bytes,
+// and each block of rows asks for the weight bytes kPrefetchBytes ahead once, as the float32 GEMV does, instead of
+// a compare and a prefetch per row and step. On a Zen 5 the three together took 0.7x the time of the kernel before
+// them; the flip alone, or the unmasked loop alone, had not changed it.
 #pragma once
 
 #include "gemm_amx_int8.h"

@@ -30,8 +30,8 @@
 // - w4 GEMV with bf16_gemm on bfloat16 / float16 rows, groups of a multiple of 32 columns, AVX512_VNNI CPUs
 //   (gemv_int4_vnni.h): x's rows rounded to integers as above, exact integer sums per group, then
 //   out = step * (sum over groups of scale * sum(q * xi) + offset * sum(xi)) (+ bias) in float32.
-// - w8 GEMV with bf16_gemm on 4 (6 where the integer GEMV runs) to 8 bfloat16 / float16 rows, per-row scales or groups of a multiple of 32 columns,
-//   AVX512_BF16 CPUs where the integer GEMV does not run (gemv_int8_dot.h): the vdpbf16ps GEMM's arithmetic below
+// - w8 GEMV with bf16_gemm on 4 (6 where the integer GEMV runs) to 8 bfloat16 / float16 rows, per-row scales or
+//   groups of a multiple of 32 columns, AVX512_BF16 CPUs where the integer GEMV does not run (gemv_int8_dot.h): the vdpbf16ps GEMM's arithmetic below
 //   (each weight dequantized as the layout defines it and rounded to bfloat16, x rounded to bfloat16, exact
 //   products summed in float32 in 16 lanes, the lanes added at the end), the result rounded to x's dtype once.
 // - w8 GEMV (gemv_int8.h) otherwise, for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
@@ -230,10 +230,10 @@ constexpr int64_t kIntegerW8GemvRows = 5;  // GEMV rows of the integer w8 kernel
 // 32-column blocks, K within its exact int32 range, an AVX512_VNNI CPU, and no OCTAVO_CPU_W8_GEMV=float; on CPUs
 // with AMX-INT8 for every GEMV row (the GEMM above them runs the same integer arithmetic), elsewhere for up to
 // kIntegerW8GemvRows rows (the vdpbf16ps GEMV takes the rest on AVX512_BF16 CPUs). It spends two vpdpbusd per 64
-// weight bytes and row where the float32 GEMV spends four widenings and four multiply-adds: measured faster where the
-// CPU's instructions bound the step (SmolLM2 w8 on a Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step; SmolLM2's
-// 120 w8 linears on a Zen 5 in a slow hour, 0.56x the float32 GEMV's time at 1 row, 0.57-0.65x at 2, 0.70-0.98x
-// at 3, and 0.74-0.98x the vdpbf16ps GEMV's at 4 and 5 rows, level at 6, 1.07x at 8).
+// weight bytes and row where the float32 GEMV spends four widenings and four multiply-adds: measured faster where
+// the CPU's instructions bound the step (SmolLM2 w8 on a Sapphire Rapids: 8.3-9.4 against 10.2 ms a decode step;
+// SmolLM2's 120 w8 linears on a Zen 5 in a slow hour, 0.56x the float32 GEMV's time at 1 row, 0.57-0.65x at 2,
+// 0.70-0.98x at 3, and 0.74-0.98x the vdpbf16ps GEMV's at 4 and 5 rows, level at 6, 1.07x at 8).
 bool integer_w8_gemv_usable(const Int8Weight& w, int64_t M) {
   return !float_gemv_asked("OCTAVO_CPU_W8_GEMV") && (amx_int8_usable() || M <= kIntegerW8GemvRows) &&
          int8_vnni_shape_fits(w.K, w.group_size, w.groups);
