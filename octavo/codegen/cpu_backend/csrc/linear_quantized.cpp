@@ -31,9 +31,10 @@
 //   (gemv_int4_vnni.h): x's rows rounded to integers as above, exact integer sums per group, then
 //   out = step * (sum over groups of scale * sum(q * xi) + offset * sum(xi)) (+ bias) in float32.
 // - w8 GEMV with bf16_gemm on 4 (6 where the integer GEMV runs) to 8 bfloat16 / float16 rows, per-row scales or
-//   groups of a multiple of 32 columns, AVX512_BF16 CPUs where the integer GEMV does not run (gemv_int8_dot.h): the vdpbf16ps GEMM's arithmetic below
-//   (each weight dequantized as the layout defines it and rounded to bfloat16, x rounded to bfloat16, exact
-//   products summed in float32 in 16 lanes, the lanes added at the end), the result rounded to x's dtype once.
+//   groups of a multiple of 32 columns, AVX512_BF16 CPUs where the integer GEMV does not run (gemv_int8_dot.h):
+//   the vdpbf16ps GEMM's arithmetic below (each weight dequantized as the layout defines it and rounded to
+//   bfloat16, x rounded to bfloat16, exact products summed in float32 in 16 lanes, the lanes added at the end), the
+//   result rounded to x's dtype once.
 // - w8 GEMV (gemv_int8.h) otherwise, for per-row scales and for grouped weights up to kScaledGroupRows rows of x:
 //   out = sum over groups of scale * (sum over the group's k of x * float(q)) (+ bias): the scale multiplies a
 //   group's sum, not each weight. Grouped weights with more rows take the dequantizing GEMV of the first case.
