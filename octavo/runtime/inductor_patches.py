@@ -1,13 +1,38 @@
 """Adjustments to Inductor that hold only while Octavo AOT-compiles a graph.
 
-Each is a context manager that replaces one Inductor function and puts the original back on exit;
-where the installed torch lacks the function, it changes nothing.
+Each is a context manager that replaces one Inductor attribute and puts the original back when the
+last compile using it ends (compiles on several threads share one replacement); where the installed
+torch lacks the attribute, it changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
+
+_lock = threading.Lock()
+_active: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [original, users]
+
+
+@contextlib.contextmanager
+def _replaced(owner: object, name: str, make_replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """owner.name replaced by make_replacement(original) while any caller is inside this block."""
+    key = (id(owner), name)
+    with _lock:
+        if key in _active:
+            _active[key][1] += 1
+        else:
+            original = getattr(owner, name)
+            _active[key] = [original, 1]
+            setattr(owner, name, make_replacement(original))
+    try:
+        yield
+    finally:
+        with _lock:
+            _active[key][1] -= 1
+            if _active[key][1] == 0:
+                setattr(owner, name, _active.pop(key)[0])
 
 
 @contextlib.contextmanager
@@ -20,15 +45,11 @@ def without_extern_kernel_comments() -> Iterator[None]:
     """
     from torch._inductor import ir
 
-    original = getattr(ir, "get_kernel_metadata", None)
-    if original is None:
+    if not hasattr(ir, "get_kernel_metadata"):
         yield
         return
-    ir.get_kernel_metadata = lambda node, wrapper: ("", "")
-    try:
+    with _replaced(ir, "get_kernel_metadata", lambda original: lambda node, wrapper: ("", "")):
         yield
-    finally:
-        ir.get_kernel_metadata = original
 
 
 @contextlib.contextmanager
@@ -47,19 +68,18 @@ def stable_int_array_declarations() -> Iterator[None]:
     """
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
-    original = getattr(CppWrapperCpu, "codegen_int_array_var", None)
-    if original is None:
+    if not hasattr(CppWrapperCpu, "codegen_int_array_var"):
         yield
         return
 
-    def codegen_int_array_var(self, int_array: str, writeline: Callable[..., None], *args, **kwargs) -> str:
-        return original(self, int_array, _stable_writeline(self, writeline), *args, **kwargs)
+    def make_replacement(original: Callable) -> Callable:
+        def codegen_int_array_var(self, int_array: str, writeline: Callable[..., None], *args, **kwargs) -> str:
+            return original(self, int_array, _stable_writeline(self, writeline), *args, **kwargs)
 
-    CppWrapperCpu.codegen_int_array_var = codegen_int_array_var
-    try:
+        return codegen_int_array_var
+
+    with _replaced(CppWrapperCpu, "codegen_int_array_var", make_replacement):
         yield
-    finally:
-        CppWrapperCpu.codegen_int_array_var = original
 
 
 def _stable_writeline(wrapper: object, writeline: Callable[..., None]) -> Callable[..., None]:

@@ -43,3 +43,29 @@ def test_the_adjustments_end_with_their_block():
     except RuntimeError:
         pass
     assert (CppWrapperCpu.codegen_int_array_var, getattr(ir, "get_kernel_metadata", None)) == originals
+
+
+def test_overlapping_compiles_share_one_replacement_and_restore_the_original():
+    """Two compiles on different threads whose blocks overlap: the replacement holds until the later one ends."""
+    import threading
+
+    original = CppWrapperCpu.codegen_int_array_var
+    first_inside, second_done = threading.Event(), threading.Event()
+    seen = []
+
+    def second():
+        first_inside.wait()
+        with stable_int_array_declarations():
+            seen.append(CppWrapperCpu.codegen_int_array_var)
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with stable_int_array_declarations():
+        seen.append(CppWrapperCpu.codegen_int_array_var)
+        first_inside.set()
+        second_done.wait()
+        assert CppWrapperCpu.codegen_int_array_var is seen[0]  # the second's exit left the first's in place
+    thread.join()
+    assert seen[0] is seen[1] and seen[0] is not original
+    assert CppWrapperCpu.codegen_int_array_var is original
