@@ -89,8 +89,5 @@ def _stable_writeline(wrapper: object, writeline: Callable[..., None]) -> Callab
     if owner is None or function is None:
         return writeline
     table = wrapper.__dict__.setdefault("_octavo_stable_writelines", {})
-    key = (id(owner), function)
-    if key not in table:
-        # The entry holds `owner`, so its id stays unique while the wrapper lives.
-        table[key] = (owner, writeline)
-    return table[key][1]
+    # The kept bound method holds `owner`, so the id in its key stays unique while the wrapper lives.
+    return table.setdefault((id(owner), function), writeline)

@@ -40,6 +40,20 @@ inline bool cpu_has_avx512_vnni() {
   return present;
 }
 
+// The 64 bytes of R weight rows from `first` (rows `stride` bytes apart) as they are (q, signed) and with their top
+// bits flipped (q + 128, unsigned). Masked: the bytes outside `mask` are zeros in both.
+template <int R, bool Masked>
+__attribute__((always_inline)) inline void load_weight_bytes(const int8_t* first, int64_t stride, __mmask64 mask,
+                                                             __m512i (&q)[R], __m512i (&unsigned_q)[R]) {
+  const __m512i top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = Masked ? _mm512_maskz_mov_epi8(mask, top_bit) : top_bit;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* row = first + r * stride;
+    q[r] = Masked ? _mm512_maskz_loadu_epi8(mask, row) : _mm512_loadu_si512(row);
+    unsigned_q[r] = _mm512_xor_si512(q[r], flip);
+  }
+}
+
 // One 64-byte step of rows [n, n + R) of q from column k against the M rows of x's planes: high[r][m] += the lane
 // sums of (q + 128) * high, low[r][m] += those of low * q. Masked: the step ends at K (the bytes past it are loaded
 // as zeros, q + 128 is zero there too, so the stale columns of x's planes add nothing).
@@ -48,14 +62,8 @@ __attribute__((target("avx512vnni"), always_inline)) inline void vnni_step(const
                                                                          const SplitRows& x, int64_t n, int64_t k,
                                                                          __mmask64 mask, __m512i (&high)[R][M],
                                                                          __m512i (&low)[R][M]) {
-  const __m512i top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i flip = Masked ? _mm512_maskz_mov_epi8(mask, top_bit) : top_bit;
   __m512i w[R], unsigned_w[R];
-  for (int r = 0; r < R; ++r) {
-    const int8_t* row = q + (n + r) * K + k;
-    w[r] = Masked ? _mm512_maskz_loadu_epi8(mask, row) : _mm512_loadu_si512(row);
-    unsigned_w[r] = _mm512_xor_si512(w[r], flip);
-  }
+  load_weight_bytes<R, Masked>(q + n * K + k, K, mask, w, unsigned_w);
   for (int m = 0; m < M; ++m) {
     const __m512i h = _mm512_loadu_si512(x.high + m * x.Kpad + k);
     const __m512i l = _mm512_loadu_si512(x.low + m * x.Kpad + k);
@@ -73,7 +81,7 @@ __attribute__((target("avx512vnni"))) inline void gemv_int8_vnni_block(const Int
                                                                        const int32_t* high_sums, const float* bias,
                                                                        T* out, int64_t n, const int8_t* prefetch_end) {
   const int64_t K = w.K;
-  prefetch_span(w.q + n * K + kPrefetchBytes, w.q + (n + R) * K + kPrefetchBytes, prefetch_end);
+  prefetch_ahead<R>(w, n, prefetch_end);
   __m512i high[R][M], low[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) high[r][m] = low[r][m] = _mm512_setzero_si512();
@@ -141,16 +149,12 @@ template <int M, int R, bool Masked>
 __attribute__((target("avx512vnni"), always_inline)) inline void grouped_int8_chunk(
     const Int8Matrix& w, const SplitRows& x, const ChunkGroups& groups, int64_t n, int64_t c, __mmask64 mask,
     const float* scales, int64_t scale_stride, __m512 (&acc)[M][R]) {
-  const int64_t K = w.K;
   const __m512i top_bit = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i flip = Masked ? _mm512_maskz_mov_epi8(mask, top_bit) : top_bit;
   const __m512i lane_group = _mm512_loadu_si512(groups.lane_group + c * 16);
   __m512i q[R], unsigned_q[R];
+  load_weight_bytes<R, Masked>(w.q + n * w.K + c * 64, w.K, mask, q, unsigned_q);
   __m512 scale[R];
   for (int r = 0; r < R; ++r) {
-    const int8_t* row = w.q + (n + r) * K + c * 64;
-    q[r] = Masked ? _mm512_maskz_loadu_epi8(mask, row) : _mm512_loadu_si512(row);
-    unsigned_q[r] = _mm512_xor_si512(q[r], flip);
     scale[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(scales + r * scale_stride + groups.first_group[c]));
   }
   for (int m = 0; m < M; ++m) {
@@ -185,7 +189,7 @@ __attribute__((target("avx512vnni"))) inline void grouped_int8_block(const Int8M
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  prefetch_span(w.q + n * w.K + kPrefetchBytes, w.q + (n + R) * w.K + kPrefetchBytes, w.q + end * w.K);
+  prefetch_ahead<R>(w, n, w.q + end * w.K);
   const int64_t full = w.K / 64;
   for (int64_t c = 0; c < full; ++c) grouped_int8_chunk<M, R, false>(w, x, groups, n, c, 0, scales, w.groups, acc);
   if (full < groups.chunks) {
