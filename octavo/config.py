@@ -262,6 +262,9 @@ class EngineConfig:
             raise OctavoError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise OctavoError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise OctavoError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise OctavoError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -296,7 +299,7 @@ class EngineConfig:
         if self.pipeline_depth is not None and self.pipeline_depth < 1:
             raise OctavoError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
         for name in ("collective_timeout", "rendezvous_timeout"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # NaN too
                 raise OctavoError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
             raise OctavoError(f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, "

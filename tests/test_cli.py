@@ -58,6 +58,41 @@ def apply_unified_diff(before: list[str], hunks: list[str]) -> list[str]:
     return result + before[position:]
 
 
+def test_every_command_answers_help_without_loading_torch_the_server_or_transformers():
+    """The parser of every command is built from light modules: `octavo X --help` (and a bad argument) answer
+    at once; each command imports what it runs when it runs."""
+    script = ("import contextlib, io, sys\n"
+              "from octavo.cli import build_parser, main\n"
+              "parser = build_parser()\n"
+              "commands = list(parser._subparsers._group_actions[0].choices)\n"
+              "for command in commands:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+              "        main([command, '--help'])\n"
+              "    assert command in out.getvalue(), command\n"
+              "print(' '.join(commands))\n"
+              "print(' '.join(sorted({'torch', 'fastapi', 'transformers', 'onnx'} & set(sys.modules))))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    commands, loaded = result.stdout.splitlines()
+    assert set(commands.split()) >= {"compile", "generate", "chat", "inspect", "bench", "eval", "warmup", "demo",
+                                     "serve"}
+    assert loaded == "", f"building the parser and printing every --help imported {loaded}"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["bench", "A", "--num-requests", "0"], "argument --num-requests: must be >= 1, got 0"),
+    (["bench", "A", "--kv-pool-fraction", "nan"], "argument --kv-pool-fraction: not a finite number: 'nan'"),
+    (["bench", "--server", "http://127.0.0.1:9", "--rate", "0"], "argument --rate: must be > 0.0, got 0"),
+    (["bench", "A", "--lora-mix", "-1"], "argument --lora-mix: must be >= 0, got -1"),
+    (["eval", "A", "--perplexity", "prose", "--max-text-tokens", "0"], "argument --max-text-tokens: must be >= 1"),
+    (["serve", "A", "--port", "65536"], "argument --port: a port is 0 to 65535, got 65536"),
+])
+def test_numbers_out_of_range_are_refused_by_the_parser(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_diff_applier_follows_unified_diff_semantics():
     """The helper above, against a diff written out by hand (an insertion at the top, a change, a removal)."""
     before = ["a\n", "b\n", "c\n", "d\n", "e\n", "f\n", "g\n", "h\n", "i\n"]

@@ -44,3 +44,15 @@ def test_every_octavo_name_the_readme_uses_is_public():
     used = set(re.findall(r"\boctavo\.([A-Za-z_]\w*)\(", README.read_text()))
     assert used, "the README shows no octavo.X( calls"
     assert used <= set(octavo.__all__), f"README uses {sorted(used - set(octavo.__all__))}, not in octavo.__all__"
+
+
+def test_import_octavo_loads_torch_only_when_a_public_name_is_used():
+    """`import octavo` is light (the command line builds its parser on it); the first use of a name loads it."""
+    script = ("import sys, octavo\n"
+              "assert 'torch' not in sys.modules, 'import octavo loaded torch'\n"
+              "assert not hasattr(octavo, 'NoSuchName')\n"
+              "llm = octavo.LLM\n"
+              "from octavo.llm import LLM\n"
+              "assert llm is LLM and 'torch' in sys.modules and 'LLM' in dir(octavo)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -111,3 +111,20 @@ def create_engine(args: argparse.Namespace, config: EngineConfig | None = None):
     from octavo.parallel import create_engine as create
 
     return create(args.artifact, config or engine_config(args))
+
+
+def number_at_least(minimum: float, kind: type = int, exclusive: bool = False, finite: bool = True):
+    """An argparse type: a `kind` number >= `minimum` (> with `exclusive`; infinity only without `finite`),
+    refused with the bound in the message. NaN is never a number here."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if value != value or (finite and value in (float("inf"), float("-inf"))):
+            raise argparse.ArgumentTypeError(f"not a finite number: {text!r}" if finite else f"not a number: {text!r}")
+        if value < minimum or (exclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if exclusive else '>='} {minimum}, got {text}")
+        return value
+
+    return parse

@@ -7,7 +7,7 @@ import json
 
 from tqdm.auto import tqdm
 
-from octavo.commands.common import add_engine_arguments, console, create_engine, follow_engine
+from octavo.commands.common import add_engine_arguments, console, create_engine, follow_engine, number_at_least
 from octavo.eval.corpus import text_digest
 from octavo.eval.perplexity import DEFAULT_STRIDE, DEFAULT_WINDOW, perplexity, plan_windows, tokenize_text
 from octavo.eval.sources import BUILTIN_NAMES, read_text
@@ -22,9 +22,11 @@ def add_parser(subparsers) -> None:
                              f"calibration never saw: {', '.join(BUILTIN_NAMES)} (default: the standard library's "
                              "docstrings; code: its source; reference: the language reference; prose: English "
                              "prose)")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per scored window")
-    parser.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help="tokens between window starts")
-    parser.add_argument("--max-text-tokens", type=int, default=None, metavar="N",
+    parser.add_argument("--window", type=int, default=None,
+                        help=f"tokens per scored window (default {DEFAULT_WINDOW}, or max_model_len - 1 if less)")
+    parser.add_argument("--stride", type=int, default=None,
+                        help=f"tokens between window starts (default {DEFAULT_STRIDE}, or the window if less)")
+    parser.add_argument("--max-text-tokens", type=number_at_least(1), default=None, metavar="N",
                         help="score only the first N tokens of the text (quick checks)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     add_engine_arguments(parser)
@@ -38,10 +40,13 @@ def run(args: argparse.Namespace) -> int:
     text = read_text(args.perplexity)
     engine = create_engine(args)
     try:
+        # A window is a prompt the engine generates one token after: the default leaves it that room.
+        window = args.window or min(DEFAULT_WINDOW, engine.max_model_len - 1)
+        stride = args.stride or min(DEFAULT_STRIDE, window)
         token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
-        windows = plan_windows(len(token_ids), args.window, args.stride)
+        windows = plan_windows(len(token_ids), window, stride)
         with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
-            result = perplexity(engine, token_ids, args.window, args.stride, on_window=progress.update)
+            result = perplexity(engine, token_ids, window, stride, on_window=progress.update)
     finally:
         engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     record = {**result.as_dict(), "text": args.perplexity, "text_sha256": text_digest(text),

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from octavo.commands.common import add_engine_arguments, console, engine_config, error_console, follow_engine
 from octavo.errors import RequestError
-from octavo.llm import LLM
 from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.llm import LLM
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -58,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
     follower_exit = follow_engine(args)
     if follower_exit is not None:
         return follower_exit
-    llm = LLM(args.artifact, **_config_kwargs(args))
+    llm = _load(args.artifact, **_config_kwargs(args))
     try:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         stream_reply(llm, prompt, _sampling(args))
@@ -71,7 +74,7 @@ def run_chat(args: argparse.Namespace) -> int:
     follower_exit = follow_engine(args)
     if follower_exit is not None:
         return follower_exit
-    llm = LLM(args.artifact, **_config_kwargs(args))
+    llm = _load(args.artifact, **_config_kwargs(args))
     try:
         _chat(llm, args)
     finally:
@@ -114,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
         path = cached_artifact("smollm2-135m", CompileConfig(dtype=args.dtype, progress=True),
                                on_stage=lambda message: status.update(message))
     console.print(f"artifact: {path}")
-    llm = LLM(path)
+    llm = _load(path)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for prompt in DEMO_PROMPTS:
         console.print(f"\n[bold]user:[/bold] {prompt}\n[bold]assistant:[/bold] ", end="")
@@ -145,6 +148,12 @@ def stream_reply(llm: LLM, prompt, params: SamplingParams) -> str:
     error_console.print(f"[dim]({tokens} tokens in {elapsed:.2f}s, {tokens / elapsed:.1f} tok/s, "
                         f"finish: {completion.finish_reason})[/dim]")
     return completion.text
+
+
+def _load(artifact, **options) -> LLM:
+    from octavo.llm import LLM  # here, not at the top: the parser of every command imports this module
+
+    return LLM(artifact, **options)
 
 
 def _config_kwargs(args: argparse.Namespace) -> dict:

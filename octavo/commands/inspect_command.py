@@ -20,7 +20,6 @@ from pathlib import Path
 from rich.table import Table
 
 from octavo.commands.common import console
-from octavo.runtime.loader import read_manifest
 
 _POOL_ROLES = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
 
@@ -37,6 +36,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from octavo.runtime.loader import read_manifest  # here: the parser of every command imports this module
+
     manifest = read_manifest(args.artifact)
     source = manifest["source"]
     layout = manifest["kv_layout"]

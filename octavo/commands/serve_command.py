@@ -6,16 +6,16 @@ import argparse
 
 from octavo.commands.common import add_engine_arguments, create_engine, error_console, follow_engine
 from octavo.errors import OctavoError
-from octavo.serve.context import DEFAULT_MAX_REQUEST_BYTES
+from octavo.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKERS
 from octavo.serve.stream import DEFAULT_MAX_BACKLOG
-from octavo.serve.tokenization import DEFAULT_WORKERS
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
     parser.add_argument("artifact", help="artifact directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000,
+                        help="port to listen on (default 8000; 0: one the system picks, printed at start)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
                         help="answer 503 (Retry-After) when N requests are already waiting (default: no limit by "
@@ -49,29 +49,42 @@ def run(args: argparse.Namespace) -> int:
     from octavo.serve.app import build_app
     from octavo.serve.async_engine import AsyncEngine
     from octavo.serve.context import ServerSettings
-    from octavo.serve.server import serve_app
+    from octavo.serve.server import bind_listening_socket, serve_app, socket_url
 
     for option in ("max_waiting", "max_waiting_tokens", "max_request_bytes", "max_stream_backlog", "tokenizer_threads"):
         value = getattr(args, option)
         if value is not None and value < (0 if option == "max_waiting" else 1):
             flag = "--" + option.replace("_", "-")
             raise OctavoError(f"{flag} must be >= {0 if option == 'max_waiting' else 1}, got {value}")
-    if args.grace_period < 0:
+    if not args.grace_period >= 0:  # NaN too
         raise OctavoError(f"--grace-period must be >= 0, got {args.grace_period}")
     follower_exit = follow_engine(args)
     if follower_exit is not None:
         return follower_exit
-    engine = create_engine(args)
-    settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
-                              max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
-                              max_request_bytes=args.max_request_bytes, tokenizer_threads=args.tokenizer_threads,
-                              grace_period_s=args.grace_period, tool_call_parser=args.tool_call_parser)
-    app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
-    error_console.print(f"serving {settings.model_name} on http://{args.host}:{args.port} "
-                        f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")
-    try:
-        if not serve_app(app, args.host, args.port, args.grace_period, getattr(args, "verbose", 0)):
-            raise OctavoError(f"the server could not start on {args.host}:{args.port}")
-    finally:
-        engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
+    with bind_listening_socket(args.host, args.port) as sock:
+        engine = create_engine(args)
+        try:
+            settings = ServerSettings(model_name=args.served_model_name or args.artifact, api_key=args.api_key,
+                                      max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+                                      max_request_bytes=args.max_request_bytes,
+                                      tokenizer_threads=args.tokenizer_threads, grace_period_s=args.grace_period,
+                                      tool_call_parser=args.tool_call_parser)
+            app = build_app(AsyncEngine(engine, args.max_stream_backlog), settings)
+            error_console.print(f"serving {settings.model_name} on {socket_url(sock)} "
+                                f"(OpenAI-compatible: /v1/completions, /v1/chat/completions; /health, /metrics)")
+            if not serve_app(app, sock, args.grace_period, getattr(args, "verbose", 0)):
+                raise OctavoError(f"the server could not start on {args.host}:{args.port}")
+        finally:
+            engine.shutdown()  # a parallel engine's other ranks (other nodes' too) end with it
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port number for argparse: 0 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port

@@ -20,10 +20,13 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from octavo.errors import OctavoError
-from octavo.runtime.engine import LLMEngine
 from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.runtime.engine import LLMEngine
 
 DEFAULT_WINDOW = 512
 DEFAULT_STRIDE = 256
@@ -76,8 +79,10 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int = DEFAULT_WI
                on_window: Callable[[int], None] | None = None) -> PerplexityResult:
     """Score `token_ids` with the engine's artifact; `on_window(tokens)` is called as each window finishes."""
     windows = plan_windows(len(token_ids), window, stride)
-    if window > engine.max_model_len:
-        raise OctavoError(f"window {window} exceeds the engine's max_model_len {engine.max_model_len}")
+    if window >= engine.max_model_len:
+        raise OctavoError(f"window {window} does not fit the engine's max_model_len {engine.max_model_len}: a window "
+                          f"is a prompt the engine generates one token after, so it takes at most "
+                          f"{engine.max_model_len - 1} tokens")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     pending = {}
     for index, item in enumerate(windows):

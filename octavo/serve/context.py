@@ -22,18 +22,17 @@ from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serve.admission import AddedPrompt, Capacity, add_prompts, fit_max_tokens
 from octavo.serve.async_engine import AsyncEngine
+from octavo.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKERS
 from octavo.serve.errors import APIError
 from octavo.serve.metrics import ServerMetrics
 from octavo.serve.prompt_limits import CharacterBound
 from octavo.serve.stream import OutputDelta, RequestStream
-from octavo.serve.tokenization import DEFAULT_WORKERS, EncodedPrompt, PromptEncoder
+from octavo.serve.tokenization import EncodedPrompt, PromptEncoder
 from octavo.serve.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
 EncodeFunction = Callable[[Any], list[EncodedPrompt]]
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 @dataclass

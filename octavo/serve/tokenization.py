@@ -22,12 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from octavo.serve.defaults import DEFAULT_WORKERS
 from octavo.serve.errors import APIError
 
 T = TypeVar("T")
-
-DEFAULT_WORKERS = 1
-"""One thread: a second would take a second core from the engine's decoding when prompts flood in."""
 
 
 @dataclass

@@ -62,3 +62,18 @@ def test_eval_command_prints_the_perplexity_and_the_tokens_scored(tiny_artifact,
     assert result.returncode == 0, result.stderr
     assert "perplexity " in result.stdout and " tokens scored (" in result.stdout and "windows of 16, stride 8" in (
         result.stdout)
+
+
+def test_a_window_is_at_most_max_model_len_minus_1_and_the_default_fits(tiny_artifact, tmp_path, one_thread):
+    """The tiny llama's max_model_len is 512, the default window's size: a window is a prompt the engine
+    generates one token after, so the command's default window shrinks to 511 and an explicit 512 is refused."""
+    engine = LLMEngine(tiny_artifact("llama"), EngineConfig(num_kv_blocks=64))
+    assert engine.max_model_len == 512
+    with pytest.raises(OctavoError, match=r"window 512 does not fit the engine's max_model_len 512: .* at most 511"):
+        perplexity(engine, list(range(3, 603)), window=512)
+    engine.shutdown()
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 60)
+    result = run_cli("eval", str(tiny_artifact("llama")), "--perplexity", str(text), "--num-kv-blocks", "96")
+    assert result.returncode == 0, result.stderr
+    assert "windows of 511, stride 256" in result.stdout, result.stdout

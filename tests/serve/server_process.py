@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,22 +52,28 @@ def free_port() -> int:
 
 
 def start_server(artifact: Path, log_dir: Path, *extra_args: str) -> ServerProcess:
-    """`python -m octavo.cli serve ARTIFACT --port P ...`, returned once /health answers 200."""
-    port = free_port()
-    log_path = log_dir / f"serve-{port}.log"
+    """`python -m octavo.cli serve ARTIFACT --port 0 ...` (the port the system picks, read from the line the
+    server prints), returned once /health answers 200."""
+    descriptor, name = tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)
+    os.close(descriptor)
+    log_path = Path(name)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "octavo.cli", "serve", str(artifact), "--port", str(port),
+    command = [sys.executable, "-m", "octavo.cli", "serve", str(artifact), "--port", "0",
                "--served-model-name", "test-model", "--threads", "1", *extra_args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, "test-model")
+    server = ServerProcess(process, "", log_path, "test-model")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"server exited with {process.returncode} during startup:\n{server.log()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
+        if not server.url:
+            found = re.search(r"^serving \S+ on (http://127\.0\.0\.1:\d+) ", server.log(), re.MULTILINE)
+            server.url = found.group(1) if found else ""
+        if server.url:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    return server
         time.sleep(0.25)
     server.stop(signal.SIGKILL)
     raise AssertionError(f"server did not answer /health within {STARTUP_TIMEOUT_S}s:\n{server.log()[-3000:]}")
