@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -192,6 +192,9 @@ def _prompt_of(prompt: dict) -> str | list[int]:
 def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts are text, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', or a "
+                        f"list of these; got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(item, int) for item in prompts):
         return [prompts]

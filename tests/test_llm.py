@@ -50,6 +50,17 @@ def test_a_prompt_dict_without_a_prompt_is_rejected_alone(llm):
     assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == 3
 
 
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_rejected_alone(llm):
+    outputs = llm.generate([[1, "7"], [2.5], None, TEXT], greedy(3))
+    assert [output.error for output in outputs[:3]] == [
+        "a prompt is text or a list of integer token ids, got a list of int, str",
+        "a prompt is text or a list of integer token ids, got a list of float",
+        "a prompt is text or a list of integer token ids, got a NoneType"]
+    assert outputs[3].error is None and len(outputs[3].outputs[0].token_ids) == 3
+    with pytest.raises(TypeError, match=r"prompts are text, a list of token ids, .*; got int"):
+        llm.generate(5, greedy(3))
+
+
 def test_a_single_prompt_is_accepted_bare(llm):
     token_ids = llm.tokenizer.encode(TEXT)
     from_text = llm.generate(TEXT, greedy(5))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import operator
 import os
 import time
 from pathlib import Path
@@ -376,7 +377,10 @@ class LLMEngine:
             if not prompt:
                 raise RequestError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        token_ids = [int(token) for token in prompt]
+        try:  # integers only: int() would truncate 1.5 and parse "7"
+            token_ids = [operator.index(token) for token in prompt]
+        except TypeError:
+            raise RequestError(f"a prompt is text or a list of integer token ids, got {_describe(prompt)}") from None
         if not token_ids:
             raise RequestError("the prompt is empty")
         bad = [token for token in token_ids if not 0 <= token < self.vocab_size]
@@ -390,6 +394,13 @@ class LLMEngine:
                                f"{self.max_model_len}{self._length_limit_note}; the prompt plus at least one "
                                "generated token must fit")
         params.verify_token_ids(self.vocab_size)
+
+
+def _describe(prompt) -> str:
+    """A prompt that is neither text nor token ids, for an error message: its type, and a list's item types."""
+    if isinstance(prompt, (list, tuple)):
+        return f"a {type(prompt).__name__} of {', '.join(sorted({type(item).__name__ for item in prompt}))}"
+    return f"a {type(prompt).__name__}"
 
 
 def _generator(params: SamplingParams, index: int) -> torch.Generator | None:
