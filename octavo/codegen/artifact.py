@@ -40,8 +40,11 @@ def check_output_dir(output_dir: str | os.PathLike, overwrite: bool) -> Path:
         raise ArtifactError(f"{path} already exists; pass --overwrite to replace it")
     if path.exists() and not (path / MANIFEST).is_file():
         raise ArtifactError(f"{path} exists and is not an Octavo artifact; refusing to replace it")
-    if not path.parent.is_dir():
-        raise ArtifactError(f"cannot write {path}: {path.parent} is not a directory")
+    existing = path.parent  # missing directories above the artifact are made when it is written
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ArtifactError(f"cannot write {path}: {existing} is not a directory")
     return path
 
 
@@ -56,7 +59,11 @@ def write_artifact(output_dir: str | os.PathLike, *, graph_module: GraphModule, 
     from octavo.ir.onnx_io import export_graph_to_onnx, save_onnx
 
     target = check_output_dir(output_dir, overwrite)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    except OSError as error:
+        raise ArtifactError(f"cannot write {target}: {error.strerror or error}") from None
     try:
         save_onnx(export_graph_to_onnx(graph_module, input_specs, graph_name=manifest["source"]["name"]),
                   staging / GRAPH)

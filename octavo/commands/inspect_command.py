@@ -30,8 +30,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--all-ops", action="store_true", help="list every op, not only the 25 most frequent")
     parser.add_argument("--memory", action="store_true",
                         help="load the engine here and report its resident memory and the weights its kernels hold")
-    parser.add_argument("--backend", default="auto", help="with --memory: the backend to load with (default: auto)")
-    parser.add_argument("--executor", default="auto", help="with --memory: the executor to load with (default: auto)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                        help="with --memory: the backend to load with (default: auto)")
+    parser.add_argument("--executor", default="auto", choices=["auto", "compiled", "eager"],
+                        help="with --memory: the executor to load with (default: auto)")
     parser.set_defaults(run=run)
 
 

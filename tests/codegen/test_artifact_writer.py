@@ -106,6 +106,25 @@ def test_overwrite_refuses_a_directory_that_is_not_an_artifact(tmp_path, graph_m
     assert (target / "notes.txt").read_text() == "keep me"
 
 
+def test_missing_directories_above_the_artifact_are_made(tmp_path, graph_module, tokenizer):
+    target = write_artifact(tmp_path / "out" / "models" / "artifact", **contents("first", graph_module, tokenizer))
+    assert json.loads((target / "manifest.json").read_text())["generation"] == "first"
+    assert os.listdir(tmp_path / "out" / "models") == ["artifact"]
+
+
+def test_a_file_above_the_artifact_is_refused_naming_it(tmp_path, graph_module, tokenizer):
+    (tmp_path / "notes").write_text("a file, not a directory")
+    with pytest.raises(ArtifactError, match=f"cannot write .*: {tmp_path / 'notes'} is not a directory"):
+        write_artifact(tmp_path / "notes" / "sub" / "artifact", **contents("first", graph_module, tokenizer))
+    assert os.listdir(tmp_path) == ["notes"]
+
+
+def test_a_place_nothing_can_be_written_in_is_an_artifact_error(graph_module, tokenizer):
+    """Linux's /proc takes no new entries, whoever asks (root too)."""
+    with pytest.raises(ArtifactError, match="cannot write /proc/octavo-artifact: No such file or directory"):
+        write_artifact("/proc/octavo-artifact", **contents("first", graph_module, tokenizer))
+
+
 def unserializable_graph() -> GraphModule:
     """A graph graph.onnx cannot store (a call_module node)."""
     return torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 5)))
