@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     engine = create_engine(args)
     try:
         # A window is a prompt the engine generates one token after: the default leaves it that room.
-        window = args.window or min(DEFAULT_WINDOW, engine.max_model_len - 1)
-        stride = args.stride or min(DEFAULT_STRIDE, window)
+        window = args.window if args.window is not None else min(DEFAULT_WINDOW, engine.max_model_len - 1)
+        stride = args.stride if args.stride is not None else min(DEFAULT_STRIDE, window)
         token_ids = tokenize_text(engine.tokenizer, text, args.max_text_tokens)
         windows = plan_windows(len(token_ids), window, stride)
         with tqdm(total=sum(w.scored for w in windows), desc="scoring", unit="tok") as progress:
