@@ -22,6 +22,10 @@ COMPAT_PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/py
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.octavo-installed
+# The suite runs in TEST_WORKERS pytest-xdist processes, a test file per process at a time: much of it is
+# single-threaded Python (tracing, compiling, servers), so one process leaves a core of a 2-core machine idle.
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 COMPAT_TESTS := tests/frontend tests/ir tests/passes tests/codegen/triton tests/runtime/test_engine.py \
                 tests/runtime/test_compiled_executor.py tests/runtime/test_inductor_patches.py tests/runtime/test_loader.py \
                 tests/test_architectures.py \
@@ -53,10 +57,10 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check octavo tests benchmarks examples scripts
-	$(PY) -m pytest -q --durations=25
+	$(PY) $(PYTEST) --durations=25
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q --durations=15 $(COMPAT_TESTS)
+	$(COMPAT_PY) $(PYTEST) --durations=15 $(COMPAT_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check octavo tests benchmarks examples scripts

@@ -9,10 +9,16 @@ else nice 19), so that it never takes a core from the tests (measured: at normal
 two-threaded tests by more than it saved). The fixture waits for its build, starting it at once if the queue has
 not reached it yet; while the tests wait, the build has the CPU. A build's subprocess is exactly what a user or
 the test would run: `octavo compile`, or a module of this package.
+
+Under pytest-xdist every worker collects the same tests and runs the same queue over one shared directory: each
+build runs once, in the worker that claims it first (an exclusively created file), and the other workers wait
+for the exit file it leaves. A worker whose tests are done still waits for the builds it started (another worker
+may need them) unless the session was interrupted.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +26,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+CLAIM = "claimed"  # created exclusively by the process that runs the build
+EXIT = "exit.json"  # {"returncode": int, "seconds": float}, written when the build ended
+POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -32,51 +42,79 @@ class BackgroundBuild:
     directory: Path
     environment: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    _start: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _exit_lock: threading.Lock = field(default_factory=threading.Lock)
     _process: subprocess.Popen | None = None
-    _done: threading.Event = field(default_factory=threading.Event)
+    _started: float = 0.0
     _stopped: bool = False
 
     def run(self) -> None:
-        """Start the subprocess (unless it has started or the session stopped) and wait for it."""
+        """Start the subprocess unless this or another process of the session started it (or this one stopped),
+        then wait until the build has ended, wherever it runs."""
         with self._lock:
-            if self._process is None and not self._stopped:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                # One torch thread: the tests running beside it keep the other core.
-                environment = {**os.environ, "OMP_NUM_THREADS": "1", **self.environment}
-                start = time.perf_counter()
-                with open(self.directory / "stdout.log", "w") as stdout, \
-                        open(self.directory / "stderr.log", "w") as stderr:
-                    self._process = subprocess.Popen([*_idle_priority(), *self.argv], stdout=stdout, stderr=stderr,
-                                                     env=environment, text=True)
-                self._start = start
+            if self._process is None and not self._stopped and self._claim():
+                self._start()
             process = self._process
         if process is not None:
-            process.wait()
-            self.seconds = time.perf_counter() - self._start
-        self._done.set()
+            self._write_exit(process.wait())
+        self._wait_for_exit()
 
     def result(self, timeout: float = 3600) -> subprocess.CompletedProcess:
-        """The finished subprocess (run now if the queue has not started it), with its output."""
-        if self._process is None:
-            self.run()
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"background build {self.name} did not finish in {timeout:.0f} s")
-        if self._process is None:
+        """The finished subprocess (run now if no queue has started it), with its output."""
+        if self._stopped and not (self.directory / CLAIM).exists():
             raise RuntimeError(f"background build {self.name} was stopped before it started")
-        return subprocess.CompletedProcess(self.argv, self._process.returncode,
+        waiter = threading.Thread(target=self.run, daemon=True)
+        waiter.start()
+        waiter.join(timeout)
+        if waiter.is_alive():
+            raise TimeoutError(f"background build {self.name} did not finish in {timeout:.0f} s")
+        ended = json.loads((self.directory / EXIT).read_text())
+        self.seconds = ended["seconds"]
+        return subprocess.CompletedProcess(self.argv, ended["returncode"],
                                            (self.directory / "stdout.log").read_text(),
                                            (self.directory / "stderr.log").read_text())
 
-    def stop(self) -> None:
-        """Kill the subprocess if it still runs, and start nothing more."""
+    def stop(self, kill: bool) -> None:
+        """Start nothing more; kill the subprocess this process started if it still runs and `kill`, else let
+        it finish (another process of the session may be waiting for it)."""
         with self._lock:
             self._stopped = True
-            if self._process is not None and self._process.poll() is None:
-                self._process.kill()
-                self._process.wait()
-        self._done.set()
+            process = self._process
+        if process is not None and process.poll() is None:
+            if kill:
+                process.kill()
+            self._write_exit(process.wait())
+
+    def _claim(self) -> bool:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(self.directory / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def _start(self) -> None:
+        # One torch thread: the tests running beside it keep the other core.
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", **self.environment}
+        self._started = time.perf_counter()
+        with open(self.directory / "stdout.log", "w") as stdout, open(self.directory / "stderr.log", "w") as stderr:
+            self._process = subprocess.Popen([*_idle_priority(), *self.argv], stdout=stdout, stderr=stderr,
+                                             env=environment, text=True)
+
+    def _write_exit(self, returncode: int) -> None:
+        with self._exit_lock:
+            exit_file = self.directory / EXIT
+            if exit_file.exists():
+                return
+            staged = self.directory / f".{EXIT}.{os.getpid()}"
+            seconds = time.perf_counter() - self._started
+            staged.write_text(json.dumps({"returncode": returncode, "seconds": seconds}))
+            os.replace(staged, exit_file)
+
+    def _wait_for_exit(self) -> None:
+        """Wait for the exit file of a build that was claimed; return at once for one nobody claimed (stopped)."""
+        while (self.directory / CLAIM).exists() and not (self.directory / EXIT).exists():
+            time.sleep(POLL_SECONDS)
 
 
 def _idle_priority() -> list[str]:
@@ -87,7 +125,7 @@ def _idle_priority() -> list[str]:
 
 
 class BuildQueue:
-    """Runs its builds one after another on a daemon thread."""
+    """Runs its builds one after another on a daemon thread (a build another process claimed is waited for)."""
 
     def __init__(self, builds: list[BackgroundBuild]) -> None:
         self.builds = {build.name: build for build in builds}
@@ -98,8 +136,10 @@ class BuildQueue:
 
     def _run_all(self) -> None:
         for build in self.builds.values():
+            if build._stopped:
+                return
             build.run()
 
-    def stop(self) -> None:
+    def stop(self, kill: bool) -> None:
         for build in self.builds.values():
-            build.stop()
+            build.stop(kill)

@@ -41,7 +41,18 @@ from tests.background_builds import BackgroundBuild, BuildQueue
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OCTAVO_EXECUTOR", "eager")
-torch.set_num_threads(2)
+
+
+def _threads_per_test_process() -> int:
+    """Two torch threads, or the cores shared among pytest-xdist's workers when that is fewer (one each on a 2-core
+    machine with two workers: with more threads than cores, every parallel region waits for a descheduled thread)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, len(os.sched_getaffinity(0)) // workers))
+
+
+torch.set_num_threads(_threads_per_test_process())
+if "PYTEST_XDIST_WORKER" in os.environ:  # the engines tests start in subprocesses share the cores alike
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 # The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
 # a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
 os.environ.setdefault("OCTAVO_CPU_KERNELS_DIR", str(cache_root() / "cpu_kernels"))
@@ -216,30 +227,43 @@ def _lower_level_kernel_builds(root: Path) -> list[BackgroundBuild]:
 AVX2_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-_BUILDS = pytest.StashKey[tuple[Path, BuildQueue]]()
+_BUILDS = pytest.StashKey[BuildQueue]()
+# The session's build directory, made by the process pytest was started in; pytest-xdist's workers (started after
+# pytest_configure) inherit it, so that they share the builds.
+BUILDS_DIR_ENV = "OCTAVO_TEST_BUILDS_DIR"
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _is_xdist_worker(config):
+        os.environ[BUILDS_DIR_ENV] = tempfile.mkdtemp(prefix="octavo-test-builds-")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the background builds some collected test needs."""
-    root = Path(tempfile.mkdtemp(prefix="octavo-test-builds-"))
+    root = Path(os.environ[BUILDS_DIR_ENV])
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     queue = BuildQueue([build for build in _background_builds(root) if build.name in needed])
-    session.config.stash[_BUILDS] = (root, queue)
+    session.config.stash[_BUILDS] = queue
     if queue.builds and not session.config.option.collectonly:
         queue.start()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    root, queue = session.config.stash.get(_BUILDS, (None, None))
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    queue = session.config.stash.get(_BUILDS, None)
     if queue is not None:
-        queue.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        # A worker lets the builds it started finish: another worker may still wait for them.
+        queue.stop(kill=not _is_xdist_worker(session.config) or exitstatus == pytest.ExitCode.INTERRUPTED)
+    if not _is_xdist_worker(session.config):
+        shutil.rmtree(os.environ.pop(BUILDS_DIR_ENV), ignore_errors=True)
 
 
 def background_build(request: pytest.FixtureRequest, name: str) -> BackgroundBuild:
     """The session's build `name`, finished: a failed one fails the test with its output."""
-    _, queue = request.config.stash[_BUILDS]
-    build = queue.builds[name]
+    build = request.config.stash[_BUILDS].builds[name]
     result = build.result()
     assert result.returncode == 0, f"{' '.join(build.argv)} failed:\n{result.stderr[-4000:]}"
     return build
@@ -260,8 +284,7 @@ def smollm2_fp32_artifact(smollm2_fp32_compile) -> Path:
 @pytest.fixture(scope="session")
 def avx2_cpu_kernels(request) -> None:
     """The AVX2 build of the CPU kernels in the session's kernel cache (on an AVX-512 machine; elsewhere nothing)."""
-    _, queue = request.config.stash[_BUILDS]
-    if "avx2_cpu_kernels" in queue.builds:
+    if "avx2_cpu_kernels" in request.config.stash[_BUILDS].builds:
         background_build(request, "avx2_cpu_kernels")
 
 
