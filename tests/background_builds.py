@@ -10,10 +10,11 @@ two-threaded tests by more than it saved). The fixture waits for its build, star
 not reached it yet; while the tests wait, the build has the CPU. A build's subprocess is exactly what a user or
 the test would run: `octavo compile`, or a module of this package.
 
-Under pytest-xdist every worker collects the same tests and runs the same queue over one shared directory: each
-build runs once, in the worker that claims it first (an exclusively created file), and the other workers wait
-for the exit file it leaves. A worker whose tests are done still waits for the builds it started (another worker
-may need them) unless the session was interrupted.
+Under pytest-xdist the workers leave no idle CPU to wait for, and a build starved until a test blocks on it
+holds that test's worker for minutes: there every build starts at once, at normal priority. Every worker collects
+the same tests and runs the same queue over one shared directory: each build runs once, in the worker that claims
+it first (an exclusively created file), and the others wait for the exit file it leaves. A worker whose tests are
+done still waits for the builds it started (another worker may need them) unless the session was interrupted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class BackgroundBuild:
     argv: list[str]
     directory: Path
     environment: dict[str, str] = field(default_factory=dict)
+    idle: bool = True  # at the idle scheduling class, else at normal priority
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _exit_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,7 +100,8 @@ class BackgroundBuild:
         environment = {**os.environ, "OMP_NUM_THREADS": "1", **self.environment}
         self._started = time.perf_counter()
         with open(self.directory / "stdout.log", "w") as stdout, open(self.directory / "stderr.log", "w") as stderr:
-            self._process = subprocess.Popen([*_idle_priority(), *self.argv], stdout=stdout, stderr=stderr,
+            priority = _idle_priority() if self.idle else []
+            self._process = subprocess.Popen([*priority, *self.argv], stdout=stdout, stderr=stderr,
                                              env=environment, text=True)
 
     def _write_exit(self, returncode: int) -> None:
@@ -125,17 +128,24 @@ def _idle_priority() -> list[str]:
 
 
 class BuildQueue:
-    """Runs its builds one after another on a daemon thread (a build another process claimed is waited for)."""
+    """Runs its builds on daemon threads: one after another at idle priority, or (`alongside_workers`, under
+    pytest-xdist) all at once at normal priority. A build another process claimed is waited for."""
 
-    def __init__(self, builds: list[BackgroundBuild]) -> None:
+    def __init__(self, builds: list[BackgroundBuild], alongside_workers: bool = False) -> None:
         self.builds = {build.name: build for build in builds}
-        self._thread = threading.Thread(target=self._run_all, name="background-builds", daemon=True)
+        for build in builds:
+            build.idle = not alongside_workers
+        runs = [[build] for build in builds] if alongside_workers else [builds]
+        self._threads = [threading.Thread(target=self._run_all, args=(run,), name="background-builds", daemon=True)
+                         for run in runs]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
-    def _run_all(self) -> None:
-        for build in self.builds.values():
+    @staticmethod
+    def _run_all(builds: list[BackgroundBuild]) -> None:
+        for build in builds:
             if build._stopped:
                 return
             build.run()

@@ -246,7 +246,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the background builds some collected test needs."""
     root = Path(os.environ[BUILDS_DIR_ENV])
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    queue = BuildQueue([build for build in _background_builds(root) if build.name in needed])
+    queue = BuildQueue([build for build in _background_builds(root) if build.name in needed],
+                       alongside_workers=_is_xdist_worker(session.config))
     session.config.stash[_BUILDS] = queue
     if queue.builds and not session.config.option.collectonly:
         queue.start()
