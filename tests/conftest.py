@@ -11,9 +11,11 @@ decoding, preemption, prefix caching, n > 1, beams: each against the eager engin
 windowed architecture in tests/test_architectures.py, all on the tiny mistral's one package.
 
 The bundled model's artifacts (`octavo compile` in float32 and bfloat16, and the quantized variants of
-tests/smollm2_quantized.py with their perplexities) are built by subprocesses that start, one after another,
-as soon as the session's tests are collected and run at idle priority beside them (tests/background_builds.py);
-their fixtures wait for them.
+tests/smollm2_quantized.py with their perplexities) are built by subprocesses that start as soon as the
+session's tests are collected and run beside them (tests/background_builds.py); their fixtures wait for them.
+
+`make test` runs the suite in two pytest-xdist worker processes (a test file per worker at a time), which
+share those builds; each worker takes its share of the cores for torch's threads.
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ ATOL = 1e-4
 POOL = {"num_kv_blocks": 32, "max_num_batched_tokens": 48, "max_num_seqs": 4, "num_threads": 1}
 
 
-def test_compiled_ranks_compute_the_single_process_logits(tiny_artifact, compiled_cache):
+def test_compiled_ranks_compute_the_single_process_logits(tiny_artifact, monkeypatch, tmp_path):
+    # A cache of its own: the session's may hold these very packages already, from another test.
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
     artifact = load_artifact(tiny_artifact("llama"))
-    executor_cache = compiled_cache / "executor"
-    earlier = set(executor_cache.iterdir()) if executor_cache.is_dir() else set()  # other tests' packages
+    executor_cache = tmp_path / "executor"
     reference = make_engine(artifact, **POOL)  # the eager single-process engine
     engine = create_engine(artifact, EngineConfig(**POOL, tensor_parallel_size=2, executor="compiled"))
     try:
@@ -61,7 +62,7 @@ def test_compiled_ranks_compute_the_single_process_logits(tiny_artifact, compile
         assert parts["collectives"] > 0 and parts["linears"] > 0
     finally:
         engine.shutdown()
-    packages = sorted(set(executor_cache.iterdir()) - earlier)
+    packages = sorted(executor_cache.iterdir())
     assert len(packages) == 2  # rank 0's and rank 1's
     for package in packages:
         targets = [node["node"]["target"] for node in json.loads((package / "model.json").read_text())["nodes"]]
