@@ -58,6 +58,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # the engines tests start in subprocess
 # The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
 # a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
 os.environ.setdefault("OCTAVO_CPU_KERNELS_DIR", str(cache_root() / "cpu_kernels"))
+# The session's build directory, made by the process pytest was started in; pytest-xdist's workers (started after
+# pytest_configure) inherit it, so that they share the builds.
+BUILDS_DIR_ENV = "OCTAVO_TEST_BUILDS_DIR"
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +73,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def compiled_executor_cache(tmp_path_factory) -> Path:
-    """The Octavo cache dir of the session's compiled executors: each artifact compiles once, cold."""
-    return tmp_path_factory.mktemp("octavo-cache")
+def compiled_executor_cache() -> Path:
+    """The Octavo cache dir of the session's compiled executors: each artifact compiles once, cold. pytest-xdist's
+    workers share it: a package is staged and renamed into place, so two workers compiling one artifact at once
+    both end with a whole package."""
+    path = Path(os.environ[BUILDS_DIR_ENV]) / "octavo-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture
@@ -230,9 +237,6 @@ AVX2_ENVIRONMENT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 _BUILDS = pytest.StashKey[BuildQueue]()
-# The session's build directory, made by the process pytest was started in; pytest-xdist's workers (started after
-# pytest_configure) inherit it, so that they share the builds.
-BUILDS_DIR_ENV = "OCTAVO_TEST_BUILDS_DIR"
 
 
 def _is_xdist_worker(config: pytest.Config) -> bool:

@@ -48,14 +48,14 @@ def smollm2_reader(smollm2_source):
 
 
 @pytest.fixture(scope="module")
-def smollm2_quantized(smollm2_source, smollm2_reader):
+def smollm2_gguf_weights(smollm2_source, smollm2_reader):
     return gguf_quantized_weights(smollm2_source.path, smollm2_source.config, smollm2_reader)
 
 
-def test_every_q4_1_and_q8_0_tensor_of_smollm2_is_kept(smollm2_quantized):
-    origins = [weight.origin for weight in smollm2_quantized.values()]
+def test_every_q4_1_and_q8_0_tensor_of_smollm2_is_kept(smollm2_gguf_weights):
+    origins = [weight.origin for weight in smollm2_gguf_weights.values()]
     assert origins.count("gguf Q4_1") == 7 * 30 and origins.count("gguf Q8_0") == 1
-    assert smollm2_quantized["model.embed_tokens.weight"].layout == "w8"
+    assert smollm2_gguf_weights["model.embed_tokens.weight"].layout == "w8"
 
 
 @pytest.mark.parametrize(("gguf_name", "hf_name", "heads"), [
@@ -65,12 +65,12 @@ def test_every_q4_1_and_q8_0_tensor_of_smollm2_is_kept(smollm2_quantized):
     ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),   # rows interleaved by llama.cpp
     ("blk.29.attn_k.weight", "model.layers.29.self_attn.k_proj.weight", 3),
 ])
-def test_smollm2_tensors_equal_gguf_dequantization(smollm2_reader, smollm2_quantized, gguf_name, hf_name, heads):
+def test_smollm2_tensors_equal_gguf_dequantization(smollm2_reader, smollm2_gguf_weights, gguf_name, hf_name, heads):
     tensor = next(t for t in smollm2_reader.tensors if t.name == gguf_name)
     expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     if heads:  # undo llama.cpp's q/k row permutation, as transformers' loader does
         expected = expected.reshape(heads, -1, 2, expected.shape[1]).swapaxes(1, 2).reshape(expected.shape)
-    assert same_bits(smollm2_quantized[hf_name].dequantize(), expected)
+    assert same_bits(smollm2_gguf_weights[hf_name].dequantize(), expected)
 
 
 def test_other_types_are_left_to_the_float_path_with_a_log_line(tmp_path, caplog):
