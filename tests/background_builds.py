@@ -31,6 +31,7 @@ from pathlib import Path
 CLAIM = "claimed"  # created exclusively by the process that runs the build
 EXIT = "exit.json"  # {"returncode": int, "seconds": float}, written when the build ended
 POLL_SECONDS = 0.5
+FINISH_SECONDS = 1800  # the longest a worker whose tests are done waits for a build it started
 
 
 @dataclass
@@ -83,6 +84,11 @@ class BackgroundBuild:
             self._stopped = True
             process = self._process
         if process is not None and process.poll() is None:
+            if not kill:
+                try:
+                    process.wait(timeout=FINISH_SECONDS)
+                except subprocess.TimeoutExpired:
+                    kill = True
             if kill:
                 process.kill()
             self._write_exit(process.wait())

@@ -49,7 +49,8 @@ def _threads_per_test_process() -> int:
     """Two torch threads, or the cores shared among pytest-xdist's workers when that is fewer (one each on a 2-core
     machine with two workers: with more threads than cores, every parallel region waits for a descheduled thread)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, min(2, len(os.sched_getaffinity(0)) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(2, cores // workers))
 
 
 torch.set_num_threads(_threads_per_test_process())
