@@ -20,8 +20,11 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 
-# Where the generated kernel of the check is written (before octavo reads the variable).
-os.environ.setdefault("OCTAVO_CACHE_DIR", tempfile.mkdtemp(prefix="octavo-gpu-compile-"))
+# Where the generated kernel of the check is written (before octavo reads the variable); a directory of the
+# check's own is removed when the process exits.
+if "OCTAVO_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = tempfile.TemporaryDirectory(prefix="octavo-gpu-compile-")
+    os.environ["OCTAVO_CACHE_DIR"] = _CACHE_DIR.name
 
 import torch
 import triton

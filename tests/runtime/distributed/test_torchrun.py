@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -45,8 +46,11 @@ print("tokens: " + json.dumps([output.outputs[0].token_ids for output in outputs
 EXIT_WITHIN_S = 30.0
 
 
-def torchrun(ranks: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+def torchrun(ranks: int, log_dir: Path, *args: str) -> list[str]:
+    """The torchrun command; its per-rank log directories go under `log_dir` (by default a temporary directory
+    torchrun never removes)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            "--log-dir", str(log_dir), *args]
 
 
 @pytest.mark.slow
@@ -65,7 +69,8 @@ def test_three_torchrun_ranks_generate_the_single_process_greedy_tokens(smollm2_
     script = tmp_path / "generate.py"
     script.write_text(GENERATE.format(artifact=str(smollm2_fp32_artifact), ranks=3, max_tokens=24,
                                       prompts=SMOLLM2_PROMPTS))
-    result = subprocess.run(torchrun(3, str(script)), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(torchrun(3, tmp_path / "torchrun-logs", str(script)), capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     printed = [line for line in result.stdout.splitlines() if line.startswith("tokens: ")]
     assert len(printed) == 1, result.stdout  # rank 0 prints, the others follow
@@ -82,9 +87,10 @@ def test_torchrun_serve_answers_like_one_process_and_a_killed_rank_ends_every_pr
     port = free_port()
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(torchrun(2, "-m", "octavo.cli", "serve", str(artifact), "--port", str(port),
-                                             "--served-model-name", "m", "-tp", "2", "--num-kv-blocks", "64",
-                                             "--executor", "compiled", "--threads", "1", "--grace-period", "5"),
+        launcher = subprocess.Popen(torchrun(2, tmp_path / "torchrun-logs", "-m", "octavo.cli", "serve", str(artifact),
+                                             "--port", str(port), "--served-model-name", "m", "-tp", "2",
+                                             "--num-kv-blocks", "64", "--executor", "compiled", "--threads", "1",
+                                             "--grace-period", "5"),
                                     stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
