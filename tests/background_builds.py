@@ -64,7 +64,7 @@ class BackgroundBuild:
 
     def result(self, timeout: float = 3600) -> subprocess.CompletedProcess:
         """The finished subprocess (run now if no queue has started it), with its output."""
-        if self._stopped and not (self.directory / CLAIM).exists():
+        if self.stopped and not (self.directory / CLAIM).exists():
             raise RuntimeError(f"background build {self.name} was stopped before it started")
         waiter = threading.Thread(target=self.run, daemon=True)
         waiter.start()
@@ -76,6 +76,11 @@ class BackgroundBuild:
         return subprocess.CompletedProcess(self.argv, ended["returncode"],
                                            (self.directory / "stdout.log").read_text(),
                                            (self.directory / "stderr.log").read_text())
+
+    @property
+    def stopped(self) -> bool:
+        """Whether this process will start nothing more for this build."""
+        return self._stopped
 
     def stop(self, kill: bool) -> None:
         """Start nothing more; kill the subprocess this process started if it still runs and `kill`, else let
@@ -152,7 +157,7 @@ class BuildQueue:
     @staticmethod
     def _run_all(builds: list[BackgroundBuild]) -> None:
         for build in builds:
-            if build._stopped:
+            if build.stopped:
                 return
             build.run()
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import shutil
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.serve.server_process import running_server
+from tests.shared_builds import built_once
 
 TINY_MAX_MODEL_LEN = 128
 TINY_NUM_KV_BLOCKS = 1024
@@ -32,18 +34,21 @@ def tiny_llama_artifact(tiny_artifact):
 
 
 @pytest.fixture(scope="package")
-def tiny_llama_variant(tiny_model_dir, tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+def tiny_llama_variant(tiny_model_dir) -> Callable[[str, Callable[[Path], None]], Path]:
     """Factory: the tiny llama compiled (float32) after `edit(source_dir)` changed its files (its tokenizer, its
-    chat template), for the tests that need a tokenizer unlike the bundled model's."""
+    chat template), for the tests that need a tokenizer unlike the bundled model's. `name` names the edit: each
+    variant is built once per run (tests/shared_builds.py)."""
     from octavo.compiler import compile_model
     from octavo.config import CompileConfig
 
-    def build(name: str, edit: Callable[[Path], None]) -> Path:
-        source = tmp_path_factory.mktemp(f"tiny-{name}") / "model"
+    def make(edit: Callable[[Path], None], directory: Path) -> Path:
+        source = directory / "model"
         shutil.copytree(tiny_model_dir("llama"), source)
         edit(source)
-        output = tmp_path_factory.mktemp(f"artifact-{name}") / "artifact"
-        return compile_model(source, output, CompileConfig(dtype="float32"))
+        return compile_model(source, directory / "artifact", CompileConfig(dtype="float32"))
+
+    def build(name: str, edit: Callable[[Path], None]) -> Path:
+        return built_once(f"artifact-llama-{name}", partial(make, edit))
 
     return build
 
