@@ -62,6 +62,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # the engines tests start in subprocess
 # The native CPU kernels take a minute to build: keep them where they are cached between runs, also while
 # a test points OCTAVO_CACHE_DIR at a temporary directory (subprocesses inherit this too).
 os.environ.setdefault("OCTAVO_CPU_KERNELS_DIR", str(cache_root() / "cpu_kernels"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny shapes gain nothing from threads, and on a shared 2-core machine two threads can be 50x slower."""
@@ -117,7 +119,7 @@ def tokenizer_dir(request) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer_dir):
-    """Factory: a tiny random-weight HF model directory of a given architecture (cached per session)."""
+    """Factory: a tiny random-weight HF model directory of a given architecture (built once per run)."""
     from tests.tiny_models import make_tiny_model
 
     made: dict[str, Path] = {}
@@ -138,7 +140,7 @@ def tiny_model_dir(tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tiny_model_dir):
-    """Factory: a compiled fp32 artifact of a tiny model (cached per session)."""
+    """Factory: a compiled fp32 artifact of a tiny model (built once per run)."""
     from octavo.compiler import compile_model
     from octavo.config import CompileConfig
 
