@@ -8,12 +8,12 @@ whose build did not finish (the process died) has no completion file and is buil
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from octavo.cache_dir import exclusive_lock
 
 # The run's build directory, made by the process pytest was started in (conftest's pytest_configure); pytest-xdist's
 # workers, started after it, inherit the variable.
@@ -31,20 +31,10 @@ def built_once(name: str, build: Callable[[Path], Path]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     directory = root / name
     done = root / f"{name}{DONE_SUFFIX}"
-    with _exclusive(root / f"{name}.lock"):
+    with exclusive_lock(root / f"{name}.lock"):
         if not done.exists():
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir()
             output = build(directory)
             done.write_text(str(output.relative_to(directory)))
     return directory / done.read_text()
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -14,7 +14,6 @@ only when complete (a crash leaves no half-written library behind).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -22,13 +21,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from octavo.cache_dir import cache_root
+from octavo.cache_dir import cache_root, exclusive_lock
 from octavo.codegen.cpu_backend.isa import CpuTarget, cpu_target
 from octavo.errors import OctavoError
 
@@ -128,7 +126,7 @@ def _library(target: CpuTarget) -> tuple[Path, bool]:
         return library, False
     _check_toolchain()
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(directory.parent / f"{directory.name}.lock"):
+    with exclusive_lock(directory.parent / f"{directory.name}.lock"):
         if library.is_file():  # another process built it while this one waited
             return library, False
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
@@ -175,19 +173,3 @@ def _check_toolchain() -> None:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as error:
         raise CpuKernelsUnavailableError("ninja is not installed: pip install ninja") from error
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_path` (a no-op where fcntl does not exist: staging still protects)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
