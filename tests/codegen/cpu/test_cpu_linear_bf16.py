@@ -7,8 +7,9 @@ float32, rounded to bfloat16 once. A float32 sum of K + 1 terms in any order is 
 second factor covering the rounding's share of the summation error) plus 2^-120 (vdpbf16ps flushes denormal
 products and sums to zero; none arise at these magnitudes). The exact value is computed in float64.
 
-Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, widening FMAs elsewhere, and where
-OCTAVO_CPU_BF16_GEMV=widening asks for it in the AVX-512 build); above, AMX tiles on CPUs with AMX, the GEMV's
+Paths: up to 8 rows the GEMV (vdpbf16ps on AVX512_BF16 CPUs, its weights asked for with either prefetch hint
+that OCTAVO_CPU_READ_ONCE_PREFETCH names, widening FMAs elsewhere, and where OCTAVO_CPU_BF16_GEMV=widening asks
+for it in the AVX-512 build); above, AMX tiles on CPUs with AMX, the GEMV's
 dot kernel over tiles of rows on AVX512_BF16 CPUs without AMX (and where OCTAVO_CPU_BF16_GEMM=dot asks for it on
 AMX CPUs), ATen's linear elsewhere and where OCTAVO_CPU_BF16_GEMM=aten asks for it.
 tests/codegen/cpu/test_cpu_lower_isa_levels.py runs this file again on the AVX2 build.
@@ -37,26 +38,29 @@ def assert_within_definition(output: torch.Tensor, x: torch.Tensor, weight: torc
     assert (excess <= 0).all(), f"worst excess {excess.max().item():.3g} at {worst}"
 
 
-# (OCTAVO_CPU_BF16_GEMV, OCTAVO_CPU_BF16_GEMM, the rows whose kernel the pair chooses): the CPU's own choice
-# for every row count, then each kernel a variable can ask for where this build has it.
-def kernel_choices() -> list[tuple[str, str, list[int]]]:
+# (OCTAVO_CPU_BF16_GEMV, OCTAVO_CPU_BF16_GEMM, OCTAVO_CPU_READ_ONCE_PREFETCH, the rows whose kernel the three
+# choose): the CPU's own choice for every row count, then each kernel a variable can ask for where this build has it.
+def kernel_choices() -> list[tuple[str, str, str, list[int]]]:
     target = cpu_target()
-    choices = [("", "", ROWS), ("", "aten", [rows for rows in ROWS if rows > 8])]
+    gemv_rows = [rows for rows in ROWS if rows <= 8]
+    choices = [("", "", "", ROWS), ("", "aten", "", [rows for rows in ROWS if rows > 8])]
     if target.avx512_bf16:
-        choices.append(("", "dot", [rows for rows in ROWS if rows > 8]))
+        choices.append(("", "dot", "", [rows for rows in ROWS if rows > 8]))
+        choices.extend(("", "", hint, gemv_rows) for hint in ("nta", "t0"))  # the same sums, either hint
     if target.level == "avx512":  # the widening GEMV of AVX-512 CPUs without AVX512_BF16
-        choices.append(("widening", "", [rows for rows in ROWS if rows <= 8]))
+        choices.append(("widening", "", "", gemv_rows))
     return choices
 
 
-@pytest.mark.parametrize("choice", kernel_choices(),
-                         ids=lambda choice: f"gemv={choice[0] or 'default'}-gemm={choice[1] or 'default'}")
+@pytest.mark.parametrize("choice", kernel_choices(), ids=lambda choice: "-".join(
+    f"{name}={value or 'default'}" for name, value in zip(("gemv", "gemm", "prefetch"), choice[:3], strict=True)))
 @pytest.mark.parametrize("shape", [(96, 64), (37, 100), (70, 1536)], ids=["aligned", "odd", "deep"])
 def test_matches_definition(shape, choice, cpu_kernels, monkeypatch):
     """N = 37 is no multiple of a block of columns, K = 100 none of a tile's depth, K = 1536 is split in parts."""
-    gemv, gemm, row_counts = choice
+    gemv, gemm, prefetch, row_counts = choice
     monkeypatch.setenv("OCTAVO_CPU_BF16_GEMV", gemv)
     monkeypatch.setenv("OCTAVO_CPU_BF16_GEMM", gemm)
+    monkeypatch.setenv("OCTAVO_CPU_READ_ONCE_PREFETCH", prefetch)
     n, k = shape
     generator = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16)
@@ -115,6 +119,11 @@ def test_an_unknown_kernel_choice_is_refused(cpu_kernels, monkeypatch):
     if cpu_target().level == "avx512":  # the only build with a choice of GEMV
         monkeypatch.setenv("OCTAVO_CPU_BF16_GEMV", "fast")
         with pytest.raises(RuntimeError, match="OCTAVO_CPU_BF16_GEMV must be widening"):
+            torch.ops.octavo_cpu.linear_bf16(torch.randn(1, 8).to(torch.bfloat16), weight)
+        monkeypatch.delenv("OCTAVO_CPU_BF16_GEMV")
+    if cpu_target().avx512_bf16:  # the vdpbf16ps GEMV, the only kernel with a choice of prefetch hint
+        monkeypatch.setenv("OCTAVO_CPU_READ_ONCE_PREFETCH", "t2")
+        with pytest.raises(RuntimeError, match="OCTAVO_CPU_READ_ONCE_PREFETCH must be nta or t0"):
             torch.ops.octavo_cpu.linear_bf16(torch.randn(1, 8).to(torch.bfloat16), weight)
 
 

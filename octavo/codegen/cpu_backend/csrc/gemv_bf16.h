@@ -98,8 +98,8 @@ __attribute__((target("avx512bf16"))) inline void store_block_bf16(const float* 
   }
 }
 
-// Blocks [begin, end) of the GEMV for M rows of x given as pairs.
-template <int M>
+// Blocks [begin, end) of the GEMV for M rows of x given as pairs; kReadOnce as read_once_prefetch_pays() says.
+template <int M, bool kReadOnce>
 __attribute__((target("avx512bf16"))) void gemv_bf16_blocks_dot(const PackedBf16& w, const uint32_t* x_words,
                                                                  const float* bias, uint16_t* out, int64_t begin,
                                                                  int64_t end) {
@@ -108,7 +108,7 @@ __attribute__((target("avx512bf16"))) void gemv_bf16_blocks_dot(const PackedBf16
   const char* prefetch_end = reinterpret_cast<const char*>(w.block(end));
   __at_align__ float sums[M * kBf16BlockColumns];
   for (int64_t b = begin; b < end; ++b) {
-    dot_block_sums<M, true>(w.block(b), w.pairs, x_words, prefetch_end, sums);
+    dot_block_sums<M, kReadOnce>(w.block(b), w.pairs, x_words, prefetch_end, sums);
     const int64_t first = b * kBf16BlockColumns;
     store_block_bf16(sums, M, std::min<int64_t>(kBf16BlockColumns, w.N - first), bias, first, out, w.N);
   }
@@ -207,8 +207,10 @@ void gemv_bf16_rows(const PackedBf16& w, const uint32_t* x_words, const float* x
                     uint16_t* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (x_words != nullptr) {
+    const bool read_once = read_once_prefetch_pays();
     return for_block_ranges(w, [&](int64_t begin, int64_t end) {
-      gemv_bf16_blocks_dot<M>(w, x_words, bias, out, begin, end);
+      if (read_once) return gemv_bf16_blocks_dot<M, true>(w, x_words, bias, out, begin, end);
+      gemv_bf16_blocks_dot<M, false>(w, x_words, bias, out, begin, end);
     });
   }
 #endif

@@ -7,14 +7,17 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 namespace octavo_cpu {
@@ -409,17 +412,37 @@ inline void prefetch_bytes(const void* data, int64_t n) {
 // read, never past their task's end. Written as a loop over the lines: GCC 12 deleted the same request made as
 // prefetch_bytes with a clamped count, so check the built library for prefetcht0 after changing it.
 //
-// kReadOnce, for lines a kernel reads exactly once (a GEMV's weights): asked for with the non-temporal hint
-// (prefetchnta), which keeps them out of the caches past L1 as far as the CPU allows. A one-row decode step streams
-// all the weights (270 MB for SmolLM2 in bfloat16); asked for with prefetcht0, they pushed out of L2 and L3
-// whatever the host's Python and the next kernels work on, and the step's host work ran up to twice as long. Lines
-// that are read again (a GEMM's blocks, by each tile of rows) must not take it: they are not kept in L2.
+// kReadOnce, for lines a kernel reads exactly once (a GEMV's weights) on CPUs where read_once_prefetch_pays():
+// asked for with the non-temporal hint (prefetchnta), which keeps them out of the caches past L1 as far as the CPU
+// allows. Lines that are read again (a GEMM's blocks, by each tile of rows) must not take it: they are not kept
+// in L2.
 template <bool kReadOnce = false>
 __attribute__((always_inline)) inline void prefetch_span(const void* from, const void* to, const void* limit) {
   const char* last = std::min(static_cast<const char*>(to), static_cast<const char*>(limit));
   for (const char* line = static_cast<const char*>(from); line < last; line += 64) {
     __builtin_prefetch(line, 0, kReadOnce ? 0 : 3);
   }
+}
+
+// Whether a kernel's lines read once should be asked for with prefetchnta (prefetch_span<true>) on this CPU, as
+// measured on each (SmolLM2 in bfloat16, 2 threads, the one-row GEMV streaming 270 MB of weights a step):
+// - AMD (Zen 5): yes. Asked for with prefetcht0 the weights pushed out of L2 and L3 whatever the host's Python and
+//   the next kernels work on; the step's host work ran up to twice as long, the whole step ~3% slower.
+// - Intel (Xeon with AMX): no. With the hint the GEMV read 11 GB/s, with prefetcht0 32 GB/s.
+// - any other CPU: no (prefetcht0 is what every other kernel asks for).
+// OCTAVO_CPU_READ_ONCE_PREFETCH=nta / t0 overrides the choice, for comparisons and tests (read at every call).
+inline bool read_once_prefetch_pays() {
+  const char* env = std::getenv("OCTAVO_CPU_READ_ONCE_PREFETCH");
+  const std::string choice = env == nullptr ? "" : env;
+  TORCH_CHECK(choice.empty() || choice == "nta" || choice == "t0",
+              "OCTAVO_CPU_READ_ONCE_PREFETCH must be nta or t0 (or unset), got ", choice);
+  if (!choice.empty()) return choice == "nta";
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = __builtin_cpu_is("amd") != 0;
+  return amd;
+#else
+  return false;
+#endif
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
