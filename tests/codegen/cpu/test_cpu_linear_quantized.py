@@ -237,11 +237,14 @@ def test_bf16_gemm_rows_of_x_do_not_depend_on_the_other_rows(cpu_kernels):
 
 @pytest.mark.parametrize(("rows", "n"), [(None, 40), (64, 600)], ids=["packed_weights", "weights_as_rows"])
 @pytest.mark.parametrize("group_size", [32, 64, 100, 200], ids=lambda size: f"group{size}")
-def test_bf16_gemm_rounds_each_dequantized_weight_once(rows, n, group_size, cpu_kernels):
+def test_bf16_gemm_rounds_each_dequantized_weight_once(rows, n, group_size, cpu_kernels, monkeypatch):
     """bf16_gemm multiplies each weight dequantized as its layout defines it, rounded to bfloat16 once: rows of the
     identity as x (a product with 1.0 and sums of zeros are exact in every GEMM) give back W.T rounded to bfloat16
-    bit for bit, on every path (kernels' own GEMMs in both orientations, oneDNN). K = 200 ends in a partial group
-    of 32 columns and N in a partial block of 32 weight rows; every 4-bit and 8-bit value occurs in every column."""
+    bit for bit, on every dequantizing path (kernels' own GEMMs in both orientations, oneDNN). K = 200 ends in a
+    partial group of 32 columns and N in a partial block of 32 weight rows; every 4-bit and 8-bit value occurs in
+    every column. w8 in one group of 200 is one scale per row: on AMX-INT8 CPUs its default GEMM multiplies the int8
+    weights as they are (test_per_row_int8_gemm), held there to its own bound, and OCTAVO_CPU_QUANTIZED_GEMM=amx_bf16
+    asks for the dequantizing GEMM this test is about."""
     k = 200
     generator = torch.Generator().manual_seed(group_size)
     x = torch.eye(k)[:rows]
@@ -250,6 +253,10 @@ def test_bf16_gemm_rounds_each_dequantized_weight_once(rows, n, group_size, cpu_
     output = torch.ops.octavo_cpu.linear_w4(x, packed, scales, offsets, None, group_size, True)
     assert torch.equal(output, expected)
     qweight, scales = w8_weight(n, k, group_size, torch.bfloat16, generator)
+    if group_size == k and int8_gemm_runs(cpu_kernels):
+        integer = torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size, True)
+        assert_within_int8_rounding(integer, x, qweight, scales, None)
+        monkeypatch.setenv("OCTAVO_CPU_QUANTIZED_GEMM", "amx_bf16")
     expected = dequantize_w8(qweight, scales, group_size).bfloat16().float().T[:rows]
     assert torch.equal(torch.ops.octavo_cpu.linear_w8(x, qweight, scales, None, group_size, True), expected)
 
