@@ -428,7 +428,7 @@ __attribute__((always_inline)) inline void prefetch_span(const void* from, const
 // measured on each (SmolLM2 in bfloat16, 2 threads, the one-row GEMV streaming 270 MB of weights a step):
 // - AMD (Zen 5): yes. Asked for with prefetcht0 the weights pushed out of L2 and L3 whatever the host's Python and
 //   the next kernels work on; the step's host work ran up to twice as long, the whole step ~3% slower.
-// - Intel (Xeon with AMX): no. With the hint the GEMV read 11 GB/s, with prefetcht0 32 GB/s.
+// - Intel (Xeon with AMX): no. With the hint the GEMV read 11 GB/s, with prefetcht0 25 GB/s.
 // - any other CPU: no (prefetcht0 is what every other kernel asks for).
 // OCTAVO_CPU_READ_ONCE_PREFETCH=nta / t0 overrides the choice, for comparisons and tests (read at every call).
 inline bool read_once_prefetch_pays() {
